@@ -1,0 +1,189 @@
+"""Memory: the exact-size pinned host arena, its preflight, and the device-side buffers.
+
+Host arena: one anonymous mapping, cut into one page-aligned *block* per host-backed subgroup:
+    [ master fp32 | exp_avg fp32 | exp_avg_sq fp32 | gradient/weights in the param dtype ]
+The first 12 B/element move to and from a GPU staging slot in one copy each way; the last part
+receives the gradient during backward and, once the CPU has consumed it, the updated weights that
+go back to the GPU. Each block is page-locked on its own (cudaHostRegister, in parallel threads):
+no power-of-two rounding as in PyTorch's pinned allocator, no per-tensor pinning.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .partition import Layout
+from .plan import RESIDENT
+
+PAGE = 4096
+STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
+
+
+class HostMemoryError(RuntimeError):
+    """The projected host memory does not fit this machine (raised before anything is allocated)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where one subgroup's host state lives in the arena (bytes)."""
+
+    offset: int
+    numel: int
+    grad_offset: int  # from `offset`
+    nbytes: int  # page multiple
+
+
+def _page(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+def arena_blocks(layout: Layout, lanes: Sequence[str], itemsize: Sequence[int]) -> Tuple[Dict[int, Block], int]:
+    """PURE: blocks of the host-backed subgroups and the arena's size in bytes.
+
+    `itemsize[b]` is the byte size of bucket b's param dtype (the host gradient's dtype).
+    """
+    blocks, off = {}, 0
+    for s in layout.subgroups:
+        if lanes[s.index] == RESIDENT:
+            continue
+        g_off = (STATE_BYTES * s.numel + 63) // 64 * 64
+        nbytes = _page(g_off + itemsize[s.bucket] * s.numel)
+        blocks[s.index] = Block(offset=off, numel=s.numel, grad_offset=g_off, nbytes=nbytes)
+        off += nbytes
+    return blocks, off
+
+
+def available_host_bytes() -> Tuple[int, str]:
+    """Host memory this process may still take, and where the number comes from.
+
+    DOS_HOST_MEMORY_GIB overrides (on machines whose MemTotal grows as memory is used)."""
+    env = os.environ.get("DOS_HOST_MEMORY_GIB")
+    if env:
+        return int(float(env) * 2**30), "DOS_HOST_MEMORY_GIB"
+    avail, src = None, "MemAvailable"
+    try:
+        with open("/proc/meminfo") as f:
+            info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+        avail = info.get("MemAvailable", info.get("MemFree"))
+    except OSError:
+        pass
+    try:  # cgroup v2 limit
+        with open("/sys/fs/cgroup/memory.max") as f:
+            lim = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            cur = int(f.read().strip())
+        if lim != "max" and (avail is None or int(lim) - cur < avail):
+            avail, src = int(lim) - cur, "cgroup memory.max"
+    except (OSError, ValueError):
+        pass
+    if avail is None:
+        import psutil
+
+        avail, src = psutil.virtual_memory().available, "psutil"
+    return avail, src
+
+
+def preflight(required: int, n_params: int, limit_gib: Optional[float] = None) -> None:
+    """Raise HostMemoryError, with the numbers, if `required` bytes will not fit."""
+    if limit_gib is not None:
+        avail, src = int(limit_gib * 2**30), "host_memory_limit_gib"
+    else:
+        avail, src = available_host_bytes()
+    if required > avail:
+        raise HostMemoryError(
+            f"dos needs {required / 2**30:.2f} GiB of host memory for the optimizer state of "
+            f"{n_params:,} parameters ({required / max(1, n_params):.2f} B/param), but only "
+            f"{avail / 2**30:.2f} GiB is available ({src}). Keep more state on the GPU "
+            f"(gpu_fraction / placement='gpu'), or set DOS_HOST_MEMORY_GIB if the machine "
+            f"reports too little.")
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+class HostArena:
+    """The host side of the optimizer state: one exact-size mapping, one block per subgroup."""
+
+    def __init__(self, blocks: Dict[int, Block], nbytes: int, dtypes: Dict[int, torch.dtype], pin: bool):
+        self.nbytes = nbytes
+        self.blocks = blocks
+        self._map = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults and faster pinning
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._registered: List[int] = []
+        if pin and blocks:
+            self._pin()
+        self.state: Dict[int, torch.Tensor] = {}  # fp32 [master | exp_avg | exp_avg_sq], 3n
+        self.grad: Dict[int, torch.Tensor] = {}  # param dtype, n
+        for s, b in blocks.items():
+            self.state[s] = self.bytes[b.offset: b.offset + STATE_BYTES * b.numel].view(torch.float32)
+            g = self.bytes[b.offset + b.grad_offset:]
+            self.grad[s] = g[: dtypes[s].itemsize * b.numel].view(dtypes[s])
+
+    def _pin(self) -> None:
+        base = self.bytes.data_ptr()
+        cudart = _cudart()
+
+        def register(b: Block) -> int:
+            err = cudart.cudaHostRegister(base + b.offset, b.nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {b.nbytes} bytes failed with error {err}")
+            return base + b.offset
+
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            self._registered = list(pool.map(register, self.blocks.values()))
+
+    def close(self) -> None:
+        if self._registered:
+            cudart = _cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+            self._registered = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def thirds(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(master, exp_avg, exp_avg_sq) views of a [master | exp_avg | exp_avg_sq] fp32 tensor."""
+    return t[:n], t[n: 2 * n], t[2 * n: 3 * n]
+
+
+class DeviceBuffers:
+    """The accelerator side: flat params and grads per bucket, resident state, staging slots."""
+
+    def __init__(self, layout: Layout, lanes: Sequence[str], dtypes: Sequence[torch.dtype],
+                 device: torch.device, n_slots: int):
+        self.params = [torch.zeros(b.numel, dtype=dtypes[b.index], device=device) for b in layout.buckets]
+        self.grads = [torch.zeros(b.numel, dtype=dtypes[b.index], device=device) for b in layout.buckets]
+        self.resident: Dict[int, torch.Tensor] = {
+            s.index: torch.zeros(STATE_BYTES // 4 * s.numel, dtype=torch.float32, device=device)
+            for s in layout.subgroups if lanes[s.index] == RESIDENT}
+        n = layout.subgroup_numel
+        self.slots = [torch.empty(3 * n, dtype=torch.float32, device=device) for _ in range(n_slots)]
+        needs_scratch = any(lanes[s.index] != "cpu" and dtypes[s.bucket] != torch.float32
+                            for s in layout.subgroups)
+        self.scratch = torch.empty(n if needs_scratch else 0, dtype=torch.float32, device=device)
+
+    def param(self, layout: Layout, s: int) -> torch.Tensor:
+        sg = layout.subgroups[s]
+        return self.params[sg.bucket][sg.start: sg.stop]
+
+    def grad(self, layout: Layout, s: int) -> torch.Tensor:
+        sg = layout.subgroups[s]
+        return self.grads[sg.bucket][sg.start: sg.stop]
+
+    @property
+    def nbytes(self) -> int:
+        ts = self.params + self.grads + list(self.resident.values()) + self.slots + [self.scratch]
+        return sum(t.numel() * t.element_size() for t in ts)

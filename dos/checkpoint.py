@@ -1,0 +1,120 @@
+"""state_dict <-> subgroup storage, in `torch.optim.AdamW`'s per-parameter format.
+
+`state[i]` holds `step`, `exp_avg`, `exp_avg_sq` shaped like parameter i (as torch's AdamW), plus
+`master` (fp32 weights) for parameters that are not fp32 — for fp32 parameters the parameter is
+the master. Tensors are views of the live state where a parameter lies in one subgroup (no copy of
+a 7B model's state to save it); a parameter spanning subgroups is gathered into a new tensor.
+A state_dict therefore loads into a dos optimizer of any placement or subgroup size.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from .buffers import thirds
+from .partition import ParamSlot
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _segments(opt, slot: ParamSlot) -> List[Tuple[int, int, int]]:
+    """(subgroup, start inside the subgroup, length) pieces of a parameter, in order."""
+    out, lo, hi = [], slot.offset, slot.offset + slot.numel
+    for sg in opt.layout.subgroups:
+        if sg.bucket != slot.bucket or sg.stop <= lo or sg.start >= hi:
+            continue
+        a, b = max(lo, sg.start), min(hi, sg.stop)
+        out.append((sg.index, a - sg.start, b - a))
+    return out
+
+
+def _storage(opt, s: int) -> torch.Tensor:
+    return opt._dev.resident[s] if s in opt._dev.resident else opt._host.state[s]
+
+
+def _pieces(opt, slot: ParamSlot, kind: int) -> List[torch.Tensor]:
+    return [thirds(_storage(opt, s), opt.layout.subgroups[s].numel)[kind][a: a + n]
+            for s, a, n in _segments(opt, slot)]
+
+
+def _param_index(opt) -> Dict[Tuple[int, int], Tuple[int, int]]:
+    """(group, position among its trainable params) -> (index in torch's state_dict numbering,
+    position in the group's full parameter list)."""
+    out, i = {}, 0
+    for g, group in enumerate(opt.param_groups):
+        k = 0
+        for pos, p in enumerate(group["params"]):
+            if p.requires_grad:
+                out[(g, k)] = (i, pos)
+                k += 1
+            i += 1
+    return out
+
+
+def state_dict(opt) -> dict:
+    opt._lanes.wait_host_state()
+    index = _param_index(opt)
+    state = {}
+    for slot, p in opt._params.items():
+        step = opt._steps[slot.group]
+        if step == 0:
+            continue  # as torch: no state before the first step
+        entry = {"step": torch.tensor(float(step))}
+        for k, kind in enumerate(KINDS):
+            if kind == "master" and p.dtype == torch.float32:
+                continue
+            pieces = _pieces(opt, slot, k)
+            if len(pieces) == 1:
+                flat = pieces[0]
+            else:
+                flat = torch.cat([x.cpu() for x in pieces]) if pieces else torch.zeros(0)
+            entry[kind] = flat.view(p.shape)
+        state[index[(slot.group, slot.index)][0]] = entry
+    groups, i = [], 0
+    for group in opt.param_groups:
+        g = {k: v for k, v in group.items() if k != "params"}
+        g["params"] = list(range(i, i + len(group["params"])))
+        i += len(group["params"])
+        groups.append(g)
+    return {"state": state, "param_groups": groups}
+
+
+def load_state_dict(opt, sd: dict) -> None:
+    groups = sd["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"loaded state dict has {len(groups)} parameter groups, the optimizer "
+                         f"has {len(opt.param_groups)}")
+    for mine, theirs in zip(opt.param_groups, groups):
+        if len(mine["params"]) != len(theirs["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the "
+                             "size of optimizer's group")
+    index = _param_index(opt)
+    state = {int(k): v for k, v in sd["state"].items()}
+    opt._lanes.wait_host_state()
+    steps = {}
+    for slot, p in opt._params.items():
+        key = groups[slot.group]["params"][index[(slot.group, slot.index)][1]]
+        entry = state.get(key)
+        if entry is None:
+            steps.setdefault(slot.group, set()).add(0)
+            continue
+        steps.setdefault(slot.group, set()).add(int(float(entry["step"])))
+        for k, kind in enumerate(KINDS):
+            src = p.detach() if kind == "master" and p.dtype == torch.float32 else entry.get(kind)
+            if src is None:
+                raise ValueError(f"state of parameter {key} lacks '{kind}'")
+            if src.numel() != p.numel():
+                raise ValueError(f"state '{kind}' of parameter {key} has {src.numel()} elements, "
+                                 f"the parameter has {p.numel()}")
+            flat, at = src.reshape(-1), 0
+            for piece in _pieces(opt, slot, k):
+                piece.copy_(flat[at: at + piece.numel()])
+                at += piece.numel()
+    for g, found in steps.items():
+        if len(found) != 1:
+            raise ValueError(f"parameter group {g}: parameters at different steps {sorted(found)}; "
+                             "dos keeps one step count per group")
+        opt._steps[g] = found.pop()
+    for mine, theirs in zip(opt.param_groups, groups):
+        mine.update({k: v for k, v in theirs.items() if k != "params"})

@@ -1,0 +1,101 @@
+"""Typed, frozen configuration of the engine. Serialized into every record."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+PLACEMENTS = ("interleaved", "cpu", "static", "gpu")
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """Hyperparameters with `torch.optim.AdamW` semantics (defaults of one param group)."""
+
+    lr: float = 1e-3
+    """Learning rate (float >= 0); LR schedulers change it per group."""
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
+    eps: float = 1e-8
+    """Added to the denominator (after the bias-corrected square root), >= 0."""
+    weight_decay: float = 1e-2
+    """Decoupled weight decay: param *= 1 - lr * weight_decay before the Adam update, >= 0."""
+
+    def __post_init__(self):
+        validate_hparams(self.lr, self.betas, self.eps, self.weight_decay)
+
+
+def validate_hparams(lr, betas, eps, weight_decay) -> None:
+    """Raise ValueError for invalid AdamW hyperparameters, with torch's messages."""
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        raise ValueError(f"lr must be a Python number, got {type(lr).__name__} "
+                         "(tensor learning rates are not supported)")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    for name, x in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not math.isfinite(float(x)):
+            raise ValueError(f"Invalid {name}: {x}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the optimizer state is split, placed and moved. The Plan is built from it."""
+
+    placement: str = "interleaved"
+    """"interleaved" (Deep Optimizer States), "cpu" (ZeRO-Offload-like), "static"
+    (TwinFlow-like: `gpu_fraction` resident, the rest on the CPU) or "gpu" (no offload)."""
+    stride: Union[int, str] = "auto"
+    """Update stride k >= 1 of "interleaved": every k-th non-resident subgroup is updated on the GPU;
+    "auto" lets the planner choose."""
+    gpu_fraction: float = 0.0
+    """Share of the optimizer state kept resident on the GPU ("static" and "interleaved"), in [0, 1]."""
+    subgroup_numel: Optional[int] = None
+    """Elements per subgroup (None: chosen from the model size)."""
+    max_grad_norm: Optional[float] = None
+    """Clip the global L2 norm of all gradients to this value (None: no clipping)."""
+    cpu_threads: Optional[int] = None
+    """Threads of the CPU update lane (None: every core this process may use)."""
+    staging_slots: int = 3
+    """GPU staging buffers for interleaved subgroups (2: double buffering; 3: H2D, update and D2H
+    of three subgroups overlap)."""
+    trace: bool = False
+    """Record a per-subgroup lane timeline of every step (CUDA events; adds one sync per step)."""
+    pin_memory: bool = True
+    """Page-lock the host arena (CUDA only). Off only for experiments."""
+    host_memory_limit_gib: Optional[float] = None
+    """Host memory the preflight may plan for (None: what the machine reports available)."""
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.stride != "auto" and (not isinstance(self.stride, int) or isinstance(self.stride, bool)
+                                      or self.stride < 1):
+            raise ValueError(f"stride must be an int >= 1 or 'auto', got {self.stride!r}")
+        if not (isinstance(self.gpu_fraction, (int, float)) and 0.0 <= self.gpu_fraction <= 1.0):
+            raise ValueError(f"gpu_fraction must be in [0, 1], got {self.gpu_fraction!r}")
+        if self.placement == "cpu" and self.gpu_fraction:
+            raise ValueError("placement='cpu' keeps no state on the GPU: gpu_fraction must be 0 "
+                             "(use placement='static' for a resident share)")
+        if self.subgroup_numel is not None and (not isinstance(self.subgroup_numel, int)
+                                                or self.subgroup_numel < 1):
+            raise ValueError(f"subgroup_numel must be a positive int or None, got {self.subgroup_numel!r}")
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads!r}")
+        if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
+            raise ValueError(f"staging_slots must be an int >= 1, got {self.staging_slots!r}")
+
+    def to_record(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,206 @@
+"""DeepOptimizerStates: a `torch.optim.Optimizer` whose AdamW state lives in host memory and is
+updated by the CPU and the GPU at the same time, as the Plan says.
+
+Construct it after the model is on its device: the trainable parameters become views of flat
+per-bucket buffers, so that each subgroup's weights and gradients move in one copy.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, List, Optional
+
+import torch
+
+from . import adam, checkpoint
+from .buffers import DeviceBuffers, HostArena, arena_blocks, preflight, thirds
+from .config import EngineConfig, validate_hparams
+from .grads import GradRouter
+from .lanes import Hyper, Lanes
+from .partition import partition
+from .plan import STAGED, make_plan
+from .streams import make_sync
+from .trace import Timeline
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class DeepOptimizerStates(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, `torch.optim.AdamW` semantics) with offloaded state.
+
+    Args beyond AdamW's are those of `dos.config.EngineConfig`.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, placement: str = "interleaved", stride="auto",
+                 gpu_fraction: float = 0.0, subgroup_numel: Optional[int] = None,
+                 max_grad_norm: Optional[float] = None, cpu_threads: Optional[int] = None,
+                 staging_slots: int = 3, trace: bool = False, pin_memory: bool = True,
+                 host_memory_limit_gib: Optional[float] = None, amsgrad: bool = False,
+                 maximize: bool = False):
+        validate_hparams(lr, betas, eps, weight_decay)
+        if amsgrad or maximize:
+            # NOTE: deviation from torch.optim.AdamW — these variants are not implemented.
+            raise ValueError("dos.DeepOptimizerStates supports neither amsgrad nor maximize")
+        self.config = EngineConfig(placement=placement, stride=stride, gpu_fraction=gpu_fraction,
+                                   subgroup_numel=subgroup_numel, max_grad_norm=max_grad_norm,
+                                   cpu_threads=cpu_threads, staging_slots=staging_slots, trace=trace,
+                                   pin_memory=pin_memory, host_memory_limit_gib=host_memory_limit_gib)
+        self._ready = False
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        device = _check_params(trainable)
+        cfg = self.config
+
+        self.layout = partition([[(p.numel(), str(p.dtype)) for p in ps] for ps in trainable],
+                                cfg.subgroup_numel)
+        self.plan = make_plan(self.layout, placement=cfg.placement, stride=cfg.stride,
+                              gpu_fraction=cfg.gpu_fraction,
+                              cpu_threads=cfg.cpu_threads or default_threads(),
+                              staging_slots=cfg.staging_slots)
+        self._params = {slot: trainable[slot.group][slot.index] for slot in self.layout.slots()}
+        dtypes = [trainable[b.slots[0].group][b.slots[0].index].dtype for b in self.layout.buckets]
+        blocks, nbytes = arena_blocks(self.layout, self.plan.lanes, [d.itemsize for d in dtypes])
+        preflight(nbytes, self.layout.n_params, cfg.host_memory_limit_gib)  # before any allocation
+
+        self._sync = make_sync(device, timing=cfg.trace)
+        self._tl = Timeline(self._sync, cfg.trace)
+        n_slots = self.plan.staging_slots if STAGED in self.plan.lanes else 0
+        self._dev = DeviceBuffers(self.layout, self.plan.lanes, dtypes, device, n_slots)
+        self._host = HostArena(blocks, nbytes,
+                               {s: dtypes[self.layout.subgroups[s].bucket] for s in blocks},
+                               pin=cfg.pin_memory and device.type == "cuda")
+        self._adopt_params()
+        self._grads = GradRouter(self.layout, self.plan.lanes, self._params, self._dev,
+                                 self._host.grad, self._sync, self._tl)
+        self._lanes = Lanes(self.layout, self.plan, self._dev, self._host, self._grads, self._sync, self._tl)
+        self._steps: List[int] = [0] * len(self.param_groups)
+        self.last_grad_norm: Optional[float] = None
+        self._ready = True
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _adopt_params(self) -> None:
+        """Move the parameters into the flat buffers and seed the fp32 master weights."""
+        for slot, p in self._params.items():
+            flat = self._dev.params[slot.bucket][slot.offset: slot.offset + slot.numel]
+            flat.copy_(p.detach().reshape(-1))
+            p.data = flat.view(p.shape)
+        for sg in self.layout.subgroups:
+            state = self._dev.resident.get(sg.index, self._host.state.get(sg.index))
+            thirds(state, sg.numel)[0].copy_(self._dev.param(self.layout, sg.index))
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_ready", False):
+            # NOTE: deviation — the flat buffers and the plan are fixed at construction.
+            raise NotImplementedError("dos.DeepOptimizerStates cannot add parameter groups after "
+                                      "construction; pass every group to the constructor")
+        super().add_param_group(param_group)
+
+    # -- the optimizer contract -------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, group in enumerate(self.param_groups):
+            validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            self._steps[g] += 1
+        hyper = []
+        for b in self.layout.buckets:
+            group = self.param_groups[b.group]
+            hyper.append(Hyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                               beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                               weight_decay=float(group["weight_decay"]), step=self._steps[b.group]))
+        self._tl.begin(max(self._steps), earlier=self._grads.take_spans())
+        scale_t, scale = self._clip_scale()
+        self._lanes.run(hyper, scale_t, scale)
+        self._tl.finish()
+        return loss
+
+    def _clip_scale(self):
+        """Gradient divisor for exact global clipping over every gradient, wherever it lives."""
+        if self.config.max_grad_norm is None:
+            return None, 1.0
+        # Every gradient is complete in the flat device buffers (CPU-lane ones are copies of them).
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._dev.grads])
+        total = torch.linalg.vector_norm(norms)
+        scale_t = 1.0 / (self.config.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
+        total_h, scale = torch.stack([total, scale_t]).tolist()  # one sync: the CPU lane needs it
+        self.last_grad_norm = total_h
+        return scale_t, scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # NOTE: deviation — gradients stay allocated (views of the flat buffers) and are zeroed,
+        # whatever `set_to_none` says.
+        self._grads.zero_()
+
+    def state_dict(self) -> dict:
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        checkpoint.load_state_dict(self, state_dict)
+
+    # -- reporting --------------------------------------------------------------------------------
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the optimizer allocated (the arena)."""
+        return self._host.nbytes
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        return self.host_bytes / max(1, self.layout.n_params)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of accelerator memory the optimizer's buffers hold (params and grads included)."""
+        return self._dev.nbytes
+
+    def timeline(self) -> List[dict]:
+        """Per-subgroup lane spans of the last step (empty unless trace=True)."""
+        return list(self._tl.last)
+
+    def describe(self) -> dict:
+        """Everything a run record needs to know about this optimizer."""
+        return {"plan": self.plan.to_record(), "config": self.config.to_record(),
+                "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
+                "host_bytes_per_param": round(self.host_bytes_per_param, 4),
+                "n_params": self.layout.n_params}
+
+    def close(self) -> None:
+        """Release the hooks and unpin the host memory (the optimizer is unusable afterwards)."""
+        self._lanes.wait_host_state()
+        self._grads.remove()
+        self._host.close()
+
+
+def _check_params(trainable: List[List[torch.Tensor]]) -> torch.device:
+    flat = [p for ps in trainable for p in ps]
+    if not flat:
+        raise ValueError("dos.DeepOptimizerStates got no trainable parameters (all have "
+                         "requires_grad=False)")
+    for p in flat:
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"dos.DeepOptimizerStates does not support sparse parameters "
+                             f"(got layout {p.layout})")
+        if p.is_complex():
+            raise ValueError("dos.DeepOptimizerStates does not support complex parameters")
+        if p.dtype not in _DTYPES:
+            raise ValueError(f"dos.DeepOptimizerStates supports parameters of dtype "
+                             f"{[str(d) for d in _DTYPES]}, got {p.dtype}")
+    devices = sorted({str(p.device) for p in flat})
+    if len(devices) > 1:
+        raise ValueError(f"dos.DeepOptimizerStates needs all trainable parameters on one device, "
+                         f"got {devices}")
+    device = flat[0].device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"dos.DeepOptimizerStates runs on CUDA or CPU parameters, got {device}")
+    return device

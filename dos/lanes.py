@@ -1,0 +1,139 @@
+"""The update phase: executes a Plan. No placement names here — only the Plan's lanes.
+
+Order of one step:
+1. GPU lanes are enqueued first, without blocking the host: resident subgroups update in place;
+   staged subgroups cycle through the staging slots (H2D of the state -> fused Adam -> D2H), the
+   three copies/updates of consecutive subgroups overlapping on their own streams.
+2. Meanwhile the host runs the CPU lane: for each subgroup, wait for its gradient's D2H, update
+   the state in place and write the weights (param dtype) over the consumed gradient, then queue
+   their upload.
+3. The main stream waits for the weight writes of every lane, so the next forward never sees a
+   stale or half-written weight.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import adam
+from .buffers import thirds
+from .partition import Layout
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """AdamW hyperparameters of one bucket for this step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+
+
+class Lanes:
+    def __init__(self, layout: Layout, plan: Plan, dev, host, grads, sync, timeline):
+        self.layout, self.plan, self.dev, self.host, self.grads = layout, plan, dev, host, grads
+        self.sync, self.tl = sync, timeline
+        self.written: List = [None] * len(layout.subgroups)  # event: host state written back (D2H)
+        device = dev.params[0].device if dev.params else torch.device("cpu")
+        self.step_t = [torch.zeros((), device=device) for _ in layout.buckets]
+        self.scale_t = torch.ones((), device=device)
+
+    def run(self, hyper: Sequence[Hyper], scale_t: Optional[torch.Tensor], scale: float) -> None:
+        """One update phase. `scale_t`/`scale`: gradient divisor (clipping) on device / host."""
+        sync = self.sync
+        self.grads.flush()
+        # The GPU update reads gradients (and the clipping scale) that the main stream produced.
+        sync.wait("compute", sync.record("main"), "backward->gpu_update")
+        with sync.on("compute"):
+            for b, h in enumerate(hyper):
+                self.step_t[b].fill_(float(h.step))  # a kernel argument: no host->device copy
+        self._resident(hyper, scale_t)
+        self._staged(hyper, scale_t)
+        self._cpu(hyper, scale)
+        # The next forward reads weights written by the compute and upload streams.
+        sync.wait("main", sync.record("compute"), "gpu_update->forward")
+        sync.wait("main", sync.record("upload"), "upload->forward")
+
+    def _update_on_device(self, s: int, state: torch.Tensor, hyper, scale_t) -> None:
+        sg = self.layout.subgroups[s]
+        h = hyper[sg.bucket]
+        master, m, v = thirds(state, sg.numel)
+        adam.device_adamw_(master, m, v, self.dev.grad(self.layout, s), self.dev.param(self.layout, s),
+                           step_t=self.step_t[sg.bucket], lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                           eps=h.eps, weight_decay=h.weight_decay, scale_t=scale_t,
+                           scratch=self.dev.scratch)
+
+    def _resident(self, hyper, scale_t) -> None:
+        with self.sync.on("compute"):
+            for s, state in self.dev.resident.items():
+                t = self.tl.gpu_start("compute")
+                self._update_on_device(s, state, hyper, scale_t)
+                self.tl.gpu_end(t, "compute", "gpu", s, self.layout.subgroups[s].numel)
+
+    def _staged(self, hyper, scale_t) -> None:
+        sync, slots = self.sync, self.dev.slots
+        free = [None] * len(slots)  # event: the slot's last occupant is back in host memory
+        for j, s in enumerate(self.plan.staged_order):
+            k, n = j % len(slots), self.layout.subgroups[s].numel
+            slot, host = slots[k][: 3 * n], self.host.state[s]
+            # H2D may overwrite the slot only after its previous subgroup's D2H has read it, and
+            # may read the host state only after this subgroup's last write-back landed there.
+            sync.wait("h2d", free[k], "d2h->h2d(slot)")
+            sync.wait("h2d", self.written[s], "d2h->h2d(state)")
+            sync.delay("h2d")
+            with sync.on("h2d"):
+                t = self.tl.gpu_start("h2d")
+                slot.copy_(host, non_blocking=True)
+                loaded = sync.record("h2d")
+                self.tl.gpu_end(t, "h2d", "h2d", s, n)
+            # The update needs the state in the slot.
+            sync.wait("compute", loaded, "h2d->gpu_update")
+            sync.delay("compute")
+            with sync.on("compute"):
+                t = self.tl.gpu_start("compute")
+                self._update_on_device(s, slot, hyper, scale_t)
+                updated = sync.record("compute")
+                self.tl.gpu_end(t, "compute", "gpu", s, n)
+            # The write-back must read the state after the update wrote it.
+            sync.wait("d2h", updated, "gpu_update->d2h")
+            sync.delay("d2h")
+            with sync.on("d2h"):
+                t = self.tl.gpu_start("d2h")
+                host.copy_(slot, non_blocking=True)
+                free[k] = self.written[s] = sync.record("d2h")
+                self.tl.gpu_end(t, "d2h", "d2h", s, n)
+
+    def _cpu(self, hyper, scale: float) -> None:
+        sync, threads = self.sync, self.plan.cpu_threads
+        for s in self.plan.cpu_order:
+            sg = self.layout.subgroups[s]
+            h = hyper[sg.bucket]
+            # The CPU may read the gradient only once its D2H has landed.
+            sync.host_wait(self.grads.d2h[s], "grad_d2h->cpu_update")
+            t0 = time.perf_counter()
+            master, m, v = thirds(self.host.state[s], sg.numel)
+            g = self.host.grad[s]
+            adam.cpu_adamw_(master, m, v, g, g, step=h.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                            eps=h.eps, weight_decay=h.weight_decay, grad_scale=scale, threads=threads)
+            self.tl.host("cpu", s, sg.numel, t0, time.perf_counter())
+            sync.delay("upload")
+            with sync.on("upload"):
+                t = self.tl.gpu_start("upload")
+                self.dev.param(self.layout, s).copy_(g, non_blocking=True)
+                self.grads.upload[s] = sync.record("upload")
+                self.tl.gpu_end(t, "upload", "upload", s, sg.numel)
+        self.grads.after_update()
+
+    def wait_host_state(self) -> None:
+        """Block until every write-back of host state has landed (before reading it)."""
+        for s, ev in enumerate(self.written):
+            self.sync.host_wait(ev, "d2h->host_read")
+        for ev in self.grads.upload:
+            self.sync.host_wait(ev, "upload->host_read")

@@ -1,0 +1,293 @@
+"""The engine equals torch.optim.AdamW on fp32 master weights, on every path.
+
+Runs on the CPU (the CPU stands in for the accelerator: same partition, plan, state movement and
+update code) and, with the `gpu` marker, on CUDA with real streams and pinned memory.
+"""
+import copy
+import io
+
+import pytest
+import torch
+
+import dos
+from helpers import DEVICES, batch, loss_fn, make_model, max_diff, n_params, pair, train
+
+STEPS = 50
+PLACEMENTS = [
+    dict(placement="cpu"),
+    dict(placement="gpu"),
+    dict(placement="static", gpu_fraction=0.5),
+    dict(placement="interleaved", stride=1),
+    dict(placement="interleaved", stride=2),
+    dict(placement="interleaved", stride=3),
+    dict(placement="interleaved", stride=5),
+    dict(placement="interleaved", stride="auto"),
+    dict(placement="interleaved", stride=2, gpu_fraction=0.3),
+]
+IDS = [",".join(f"{k}={v}" for k, v in p.items()) for p in PLACEMENTS]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,subgroup", [("transformer", 1000), ("odd", 97)])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=IDS)
+def test_matches_adamw_fp32(device, kind, subgroup, placement):
+    a, opt, b, ref = pair(kind, device, subgroup_numel=subgroup, **placement)
+    assert n_params(a) % subgroup != 0
+    assert len(opt.layout.subgroups) >= 3
+    la = train(kind, a, opt, STEPS, device)
+    lb = train(kind, b, ref, STEPS, device)
+    assert max_diff(a, b) <= 1e-5
+    assert abs(la[-1] - lb[-1]) <= 1e-4
+    assert la[-1] < la[0]  # it trains
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", PLACEMENTS[:5], ids=IDS[:5])
+def test_bf16_params_follow_fp32_master(device, placement):
+    """bf16 weights are the rounded fp32 master (the prototype cast to fp16 into bf16 storage and
+    the loss stuck at ln(vocab)); the master follows the oracle fed with the same gradients."""
+    a = make_model("transformer", device, torch.bfloat16)
+    opt = dos.DeepOptimizerStates(a.parameters(), lr=3e-3, weight_decay=0.05, subgroup_numel=1000,
+                                  **placement)
+    masters = [p.detach().float().clone() for p in a.parameters()]
+    oracle = torch.optim.AdamW([torch.nn.Parameter(m) for m in masters], lr=3e-3, weight_decay=0.05)
+    losses = []
+    for step in range(30):
+        opt.zero_grad()
+        x, y = batch("transformer", step, device)
+        loss = loss_fn("transformer", a, x, y)
+        loss.backward()
+        for m, p in zip(oracle.param_groups[0]["params"], a.parameters()):
+            m.grad = p.grad.float()  # the same bf16 gradients dos sees
+        opt.step()
+        oracle.step()
+        losses.append(loss.item())
+    state = opt.state_dict()["state"]
+    for i, (p, m) in enumerate(zip(a.parameters(), oracle.param_groups[0]["params"])):
+        master = state[i]["master"]
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master.to(m.device), m.detach(), atol=1e-5, rtol=0)
+        assert torch.equal(p.detach(), master.to(p.device).to(torch.bfloat16))
+    assert losses[-1] < losses[0] - 0.3  # not stuck at ln(vocab)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[4], PLACEMENTS[8]], ids=["cpu", "k2", "k2res"])
+def test_param_groups_frozen_scheduler_clipping_accumulation(device, placement):
+    """Per-group lr and weight decay, a frozen parameter, a scheduler, clipping, 3 micro-batches."""
+    def groups(m):
+        m.blocks[0].linear1.weight.requires_grad_(False)
+        return [{"params": list(m.blocks.parameters()), "lr": 2e-3, "weight_decay": 0.1},
+                {"params": list(m.tok.parameters()) + [m.pos], "weight_decay": 0.0},
+                {"params": list(m.norm.parameters()) + list(m.head.parameters()), "lr": 5e-3}]
+
+    a, opt, b, ref = pair("transformer", device, groups=groups, max_grad_norm=0.5,
+                          subgroup_numel=700, **placement)
+    frozen = a.blocks[0].linear1.weight.detach().clone()
+    lam = lambda s: 1.0 / (1 + 0.1 * s)  # noqa: E731
+    sa = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    sb = torch.optim.lr_scheduler.LambdaLR(ref.opt, lam)
+    train("transformer", a, opt, 30, device, accum=3, sched=sa)
+    train("transformer", b, ref, 30, device, accum=3, sched=sb)
+    assert max_diff(a, b) <= 1e-5
+    assert torch.equal(a.blocks[0].linear1.weight.detach(), frozen)
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.5  # clipping was active
+    st = opt.state_dict()
+    frozen_index = [i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+                    if not p.requires_grad]
+    assert frozen_index and all(i not in st["state"] for i in frozen_index)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[2], PLACEMENTS[5], PLACEMENTS[8]],
+                         ids=["cpu", "static", "k2", "k2res"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_resume_is_bitwise(device, placement, dtype):
+    kw = dict(lr=3e-3, weight_decay=0.05, subgroup_numel=900, max_grad_norm=1.0, **placement)
+    a = make_model("transformer", device, dtype)
+    b = copy.deepcopy(a)
+    opt = dos.DeepOptimizerStates(a.parameters(), **kw)
+    train("transformer", a, opt, 20, device)
+
+    opt_b = dos.DeepOptimizerStates(b.parameters(), **kw)
+    train("transformer", b, opt_b, 10, device)
+    buf = io.BytesIO()
+    torch.save({"model": b.state_dict(), "opt": opt_b.state_dict()}, buf)
+    opt_b.close()
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    c = make_model("transformer", device, dtype, seed=123)  # different init, overwritten
+    c.load_state_dict(ck["model"])
+    opt_c = dos.DeepOptimizerStates(c.parameters(), **kw)
+    opt_c.load_state_dict(ck["opt"])
+    train("transformer", c, opt_c, 10, device, start=10)
+    for p, q in zip(a.parameters(), c.parameters()):
+        assert torch.equal(p, q)
+    for (i, x), (j, y) in zip(opt.state_dict()["state"].items(), opt_c.state_dict()["state"].items()):
+        assert i == j and set(x) == set(y)
+        for k in x:
+            assert torch.equal(x[k].cpu(), y[k].cpu()), k
+
+
+def test_state_dict_loads_across_placements_and_subgroup_sizes():
+    a = make_model("odd")
+    b = copy.deepcopy(a)
+    opt = dos.DeepOptimizerStates(a.parameters(), subgroup_numel=50, placement="interleaved", stride=3)
+    train("odd", a, opt, 5)
+    b.load_state_dict(a.state_dict())
+    opt2 = dos.DeepOptimizerStates(b.parameters(), subgroup_numel=333, placement="static", gpu_fraction=0.4)
+    opt2.load_state_dict(opt.state_dict())
+    train("odd", a, opt, 5, start=5)
+    train("odd", b, opt2, 5, start=5)
+    assert max_diff(a, b) <= 1e-6
+
+
+def test_state_dict_format_is_torch_adamw():
+    """Same keys and shapes as torch.optim.AdamW, so the state loads into it too."""
+    a, opt, b, ref = pair("odd", subgroup_numel=50, placement="cpu")
+    train("odd", a, opt, 3)
+    sd = opt.state_dict()
+    torch_opt = torch.optim.AdamW(b.parameters(), lr=3e-3, weight_decay=0.05)
+    torch_opt.load_state_dict(sd)
+    for i, p in enumerate(b.parameters()):
+        st = torch_opt.state[p]
+        assert st["exp_avg"].shape == p.shape and float(st["step"]) == 3.0
+    assert opt.state_dict()["state"] and not dos.DeepOptimizerStates(
+        make_model("odd").parameters()).state_dict()["state"]  # no state before the first step
+
+
+def test_first_step_moments_start_at_zero():
+    """The prototype's GPU optimizer started from uninitialized moments."""
+    for placement in PLACEMENTS:
+        m = make_model("odd")
+        opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=97, betas=(0.8, 0.9), **placement)
+        x, y = batch("odd", 0)
+        loss_fn("odd", m, x, y).backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        for i, g in enumerate(grads):
+            st = opt.state_dict()["state"][i]
+            torch.testing.assert_close(st["exp_avg"], 0.2 * g, atol=1e-7, rtol=1e-6)
+            torch.testing.assert_close(st["exp_avg_sq"], 0.1 * g * g, atol=1e-9, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3, 4, 5, 7])
+def test_every_subgroup_is_updated_and_written_back(stride):
+    """The prototype never wrote back its last GPU subgroup and skipped trailing CPU subgroups
+    when the count was no multiple of k: after one step every element moved, and the host copy of
+    every staged subgroup's state equals what the GPU computed."""
+    m = make_model("odd")
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=105, placement="interleaved",
+                                  stride=stride, weight_decay=0.0)
+    assert len(opt.layout.subgroups) % stride != 0 or stride == 1
+    x, y = batch("odd", 0)
+    loss_fn("odd", m, x, y).backward()
+    opt.step()
+    for p, q in zip(m.parameters(), before):
+        nz = p.grad != 0
+        assert (p[nz] != q[nz]).all()
+    st = opt.state_dict()["state"]
+    for i, p in enumerate(m.parameters()):
+        assert (st[i]["exp_avg"][p.grad != 0] != 0).all()
+
+
+def test_partition_equal_subgroups_and_any_gpu_share():
+    """Subgroups are equal (the prototype's followed tensors and differed by 12x) and the GPU
+    share is not capped at 1/2."""
+    m = make_model("transformer")
+    for stride, share in [(1, 1.0), (2, 0.5), (4, 0.25)]:
+        opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=512, placement="interleaved",
+                                      stride=stride)
+        sizes = [s.numel for s in opt.layout.subgroups]
+        assert len(set(sizes[:-1])) == 1
+        assert abs(opt.plan.share("staged") - share) < 1.5 / len(sizes)
+        opt.close()
+
+
+def test_host_bytes_per_param_bf16():
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)
+    opt = dos.DeepOptimizerStates(model.parameters(), placement="cpu")
+    assert 14.0 <= opt.host_bytes_per_param <= 14.5
+    assert opt.describe()["host_bytes_per_param"] <= 14.5
+
+
+def test_timeline_records_every_lane():
+    m = make_model("odd")
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=97, placement="interleaved",
+                                  stride=2, gpu_fraction=0.2, trace=True)
+    train("odd", m, opt, 2)
+    lanes = {e["lane"] for e in opt.timeline()}
+    assert "cpu" in lanes  # GPU-side spans only exist with CUDA events
+    assert {e["subgroup"] for e in opt.timeline()} == set(opt.plan.cpu_order)
+
+
+def test_model_zero_grad_set_to_none_still_works():
+    a, opt, b, ref = pair("odd", subgroup_numel=97, placement="interleaved", stride=2)
+    for step in range(5):
+        for model, o in ((a, opt), (b, ref)):
+            model.zero_grad(set_to_none=True)
+            x, y = batch("odd", step)
+            loss_fn("odd", model, x, y).backward()
+            o.step()
+    assert max_diff(a, b) <= 1e-6
+
+
+# -- bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,match", [
+    (dict(lr=-1.0), "Invalid learning rate"),
+    (dict(eps=-1.0), "Invalid epsilon"),
+    (dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0"),
+    (dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay"),
+    (dict(placement="disk"), "placement must be one of"),
+    (dict(stride=0), "stride must be"),
+    (dict(gpu_fraction=1.5), "gpu_fraction"),
+    (dict(placement="cpu", gpu_fraction=0.5), "gpu_fraction must be 0"),
+    (dict(subgroup_numel=0), "subgroup_numel"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(amsgrad=True), "amsgrad"),
+])
+def test_invalid_hyperparameters_raise_value_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        dos.DeepOptimizerStates(make_model("odd").parameters(), **kw)
+
+
+def test_invalid_lr_set_later_raises_at_step():
+    m = make_model("odd")
+    opt = dos.DeepOptimizerStates(m.parameters())
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.step()
+
+
+def test_bad_parameters_raise_clearly():
+    with pytest.raises(ValueError, match="complex"):
+        dos.DeepOptimizerStates([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match="sparse"):
+        dos.DeepOptimizerStates([torch.nn.Parameter(torch.zeros(3, 3).to_sparse())])
+    with pytest.raises(ValueError, match="no trainable"):
+        dos.DeepOptimizerStates([torch.nn.Parameter(torch.zeros(3), requires_grad=False)])
+    with pytest.raises(ValueError, match="dtype"):
+        dos.DeepOptimizerStates([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="one device"):
+        dos.DeepOptimizerStates([torch.nn.Parameter(torch.zeros(3)), meta])
+    opt = dos.DeepOptimizerStates([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(NotImplementedError, match="add parameter groups"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_host_memory_preflight_fails_before_allocating(monkeypatch):
+    import dos.buffers as buffers
+
+    allocated = []
+    monkeypatch.setattr(buffers.HostArena, "__init__", lambda *a, **k: allocated.append(1))
+    monkeypatch.setenv("DOS_HOST_MEMORY_GIB", "0.000001")
+    with pytest.raises(dos.HostMemoryError, match=r"GiB of host memory .* B/param.* available"):
+        dos.DeepOptimizerStates(make_model("transformer").parameters(), placement="cpu")
+    assert not allocated
+    monkeypatch.undo()
+    monkeypatch.setenv("DOS_HOST_MEMORY_GIB", "0.000001")
+    # Resident state needs no host memory: the same limit passes with placement="gpu".
+    dos.DeepOptimizerStates(make_model("transformer").parameters(), placement="gpu")
