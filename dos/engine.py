@@ -177,7 +177,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release the hooks and unpin the host memory (the optimizer is unusable afterwards)."""
-        self._lanes.wait_host_state()
+        self._sync.synchronize()  # no copy may still touch the memory we unpin
         self._grads.remove()
         self._host.close()
 

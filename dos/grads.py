@@ -4,8 +4,11 @@ Every trainable parameter's `.grad` is a view of its bucket's flat gradient buff
 accumulates in place (micro-batches add up there). A post-accumulate-grad hook counts, per
 subgroup, the parameters whose gradient is final for this backward; when a CPU-lane subgroup is
 complete its gradient starts its D2H on the `grad` stream, overlapping the rest of backward.
-Another backward (gradient accumulation) or `zero_grad` first waits for that copy, and the copy
-is sent again if the gradient changed since (`flush`), so the host copy is always the final one.
+
+A copy may be overtaken: another micro-batch (or `zero_grad`) may change the gradient while its
+D2H still reads it. That copy's result is never used: any change marks the subgroup unsent, so it
+is sent again (by the hook when complete, or by `flush` before the update), and the grad stream
+runs its copies in order, so the last one — issued after the last change — is what the CPU reads.
 """
 from __future__ import annotations
 
@@ -26,8 +29,6 @@ class GradRouter:
         self.count = [0] * n  # parameters whose gradient is final in the current backward
         self.sent = [False] * n  # the host holds the current gradient of this subgroup
         self.d2h: List = [None] * n  # event: gradient D2H done
-        self.pending: List[bool] = [False] * n  # d2h in flight that the main stream has not waited for
-        self.upload: List = [None] * n  # event: the host buffer's previous content (weights) uploaded
         self.spans: list = []  # traced D2H spans since the last step
         self._views: Dict[int, torch.Tensor] = {}
         self._handles = []
@@ -40,21 +41,11 @@ class GradRouter:
                 view.copy_(p.grad)
             p.grad = view
             self._views[id(p)] = view
-            self._handles.append(p.register_hook(self._before_accumulate(sgs)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate(sgs)))
-
-    def _before_accumulate(self, sgs: List[int]):
-        def hook(grad):
-            # Autograd is about to add into this gradient: a D2H still reading it must finish.
-            for s in sgs:
-                if self.pending[s]:
-                    self.sync.wait("main", self.d2h[s], "grad_d2h->accumulate")
-                    self.pending[s] = False
-            return grad
-        return hook
 
     def _after_accumulate(self, sgs: List[int]):
         def hook(p):
+            self.sync.delay("main")  # race tests: let backward lag behind the host
             view = self._views[id(p)]
             if p.grad.data_ptr() != view.data_ptr():  # .grad was set to None: adopt the new one
                 view.copy_(p.grad)
@@ -71,11 +62,10 @@ class GradRouter:
     def send(self, s: int) -> None:
         """Start the D2H of subgroup s's gradient into its host block."""
         sync = self.sync
-        ready = sync.record("main")
         # The gradient is complete on the main stream only once the kernels that made it have run.
-        sync.wait("grad", ready, "backward->grad_d2h")
-        # The host buffer still holds last step's weights until their upload has read them.
-        sync.wait("grad", self.upload[s], "upload->grad_d2h")
+        # (This also orders the copy after last step's upload of the weights out of the same host
+        # buffer: the main stream waited for that upload before this step's forward.)
+        sync.wait("grad", sync.record("main"), "backward->grad_d2h")
         sync.delay("grad")
         with sync.on("grad"):
             t = self.tl.gpu_start("grad")
@@ -83,7 +73,6 @@ class GradRouter:
             self.d2h[s] = sync.record("grad")
             if t is not None:
                 self.spans.append(("grad_d2h", s, self.layout.subgroups[s].numel, t, self.d2h[s]))
-        self.pending[s] = sync.is_async
         self.sent[s] = True
 
     def flush(self) -> None:
@@ -102,10 +91,6 @@ class GradRouter:
         return spans
 
     def zero_(self) -> None:
-        for s in range(len(self.pending)):
-            if self.pending[s]:
-                self.sync.wait("main", self.d2h[s], "grad_d2h->zero_grad")
-                self.pending[s] = False
         for g in self.dev.grads:
             g.zero_()
         self.sent = [False] * len(self.sent)

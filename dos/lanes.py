@@ -71,8 +71,9 @@ class Lanes:
                            scratch=self.dev.scratch)
 
     def _resident(self, hyper, scale_t) -> None:
-        with self.sync.on("compute"):
-            for s, state in self.dev.resident.items():
+        for s, state in self.dev.resident.items():
+            self.sync.delay("compute")
+            with self.sync.on("compute"):
                 t = self.tl.gpu_start("compute")
                 self._update_on_device(s, state, hyper, scale_t)
                 self.tl.gpu_end(t, "compute", "gpu", s, self.layout.subgroups[s].numel)
@@ -127,13 +128,10 @@ class Lanes:
             with sync.on("upload"):
                 t = self.tl.gpu_start("upload")
                 self.dev.param(self.layout, s).copy_(g, non_blocking=True)
-                self.grads.upload[s] = sync.record("upload")
                 self.tl.gpu_end(t, "upload", "upload", s, sg.numel)
         self.grads.after_update()
 
     def wait_host_state(self) -> None:
         """Block until every write-back of host state has landed (before reading it)."""
-        for s, ev in enumerate(self.written):
+        for ev in self.written:
             self.sync.host_wait(ev, "d2h->host_read")
-        for ev in self.grads.upload:
-            self.sync.host_wait(ev, "upload->host_read")

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:  make run  (the main job)   make test  (the test suite)
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+EXTRAS ?= test,bench,notebooks,deepspeed
+
+.PHONY: setup run test test-gpu clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+
+# Everything installs through constraints.txt, which pins torch==2.13.0 (a CPU build here);
+# an unpinned torch (deepspeed asks for one) would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/activate
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(BIN)/python -m dos run
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info
