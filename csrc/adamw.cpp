@@ -1,0 +1,240 @@
+// Fused CPU AdamW: scalar, AVX2 and AVX-512 kernels from one body (adamw_body.inc), chosen at
+// run time; OpenMP over contiguous per-thread ranges processed in cache-sized chunks.
+// Build with -O3 -fno-math-errno (else sqrt stays a libm call) -ffp-contract=off (FMAs only
+// where written) -fopenmp. Nothing here needs a -m flag: each ISA's functions carry a target
+// attribute, so the scalar path runs on any CPU.
+#include "adamw.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define DOS_X86 1
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define DOS_INLINE inline __attribute__((always_inline))
+
+namespace dos {
+namespace {
+
+constexpr int64_t kAhead = 1024;  // software prefetch distance, elements (4 KB of fp32)
+
+struct Consts {  // fp32 constants computed in double as torch does, then rounded once
+  float scale, decay, w, w_m1, beta2, c2, bc2_sqrt, eps, neg_step;
+  bool has_scale, has_wd, lerp_small;
+};
+
+Consts make_consts(const AdamwHyper& h) {
+  const double step = double(float(h.step));  // torch reads state_step as a float
+  const double bc1 = 1 - std::pow(h.beta1, step);
+  const double bc2 = 1 - std::pow(h.beta2, step);
+  Consts c;
+  c.scale = float(h.grad_scale);
+  c.has_scale = h.grad_scale != 1.0;
+  c.decay = float(1 - h.lr * h.weight_decay);
+  c.has_wd = h.weight_decay != 0.0;
+  c.w = float(1 - h.beta1);
+  c.w_m1 = c.w - 1.0f;
+  c.lerp_small = std::abs(c.w) < 0.5f;
+  c.beta2 = float(h.beta2);
+  c.c2 = float(1 - h.beta2);
+  c.bc2_sqrt = float(std::sqrt(bc2));
+  c.eps = float(h.eps);
+  c.neg_step = float(-(h.lr / bc1));
+  return c;
+}
+
+size_t elem_size(DType t) {
+  return t == DType::kF32 ? 4 : t == DType::kNone ? 0 : 2;
+}
+
+DOS_INLINE uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+DOS_INLINE float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// Round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16).
+DOS_INLINE uint16_t f32_to_bf16(float f) {
+  if (f != f) return 0x7FC0;
+  const uint32_t u = bits(f);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// IEEE fp16 <-> fp32 without F16C, as c10::Half (the FP16 library's bit tricks).
+DOS_INLINE float f16_to_f32(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16, sign = w & 0x80000000u, two_w = w + w;
+  const float normalized = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return from_bits(sign | (two_w < (1u << 27) ? bits(denormalized) : bits(normalized)));
+}
+
+DOS_INLINE uint16_t f32_to_f16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = bits(base);
+  const uint32_t nonsign = ((b >> 13) & 0x00007C00u) + (b & 0x00000FFFu);
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+}  // namespace
+
+namespace scalar {
+#define DOS_TGT
+struct V {
+  using F = float;
+  static constexpr int W = 1;
+  static DOS_INLINE F set1(float x) { return x; }
+  static DOS_INLINE F load(const float* p) { return *p; }
+  static DOS_INLINE void store(float* p, F x) { *p = x; }
+  static DOS_INLINE F load_bf16(const uint16_t* p) { return from_bits(uint32_t(*p) << 16); }
+  static DOS_INLINE void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16(x); }
+  static DOS_INLINE F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
+  static DOS_INLINE void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
+  static DOS_INLINE F add(F a, F b) { return a + b; }
+  static DOS_INLINE F sub(F a, F b) { return a - b; }
+  static DOS_INLINE F mul(F a, F b) { return a * b; }
+  static DOS_INLINE F div(F a, F b) { return a / b; }
+  static DOS_INLINE F sqrt(F a) { return std::sqrt(a); }
+  // NOTE: unfused (as torch's scalar tail): a software fma would be ~50x slower without FMA.
+  static DOS_INLINE F fma(F a, F b, F c) { return a * b + c; }
+};
+#include "adamw_body.inc"
+#undef DOS_TGT
+}  // namespace scalar
+
+#ifdef DOS_X86
+namespace avx2 {
+#define DOS_TGT __attribute__((target("avx2,fma,f16c")))
+struct V {
+  using F = __m256;
+  static constexpr int W = 8;
+  DOS_TGT static DOS_INLINE F set1(float x) { return _mm256_set1_ps(x); }
+  DOS_TGT static DOS_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
+  DOS_TGT static DOS_INLINE void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  DOS_TGT static DOS_INLINE F load_bf16(const uint16_t* p) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+  DOS_TGT static DOS_INLINE void store_bf16(uint16_t* p, F x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                             _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+    const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  }
+  DOS_TGT static DOS_INLINE F load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  DOS_TGT static DOS_INLINE void store_f16(uint16_t* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  DOS_TGT static DOS_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
+  DOS_TGT static DOS_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  DOS_TGT static DOS_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  DOS_TGT static DOS_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
+  DOS_TGT static DOS_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  DOS_TGT static DOS_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#include "adamw_body.inc"
+#undef DOS_TGT
+}  // namespace avx2
+
+namespace avx512 {
+#define DOS_TGT __attribute__((target("avx512f,avx2,fma,f16c")))
+struct V {
+  using F = __m512;
+  static constexpr int W = 16;
+  DOS_TGT static DOS_INLINE F set1(float x) { return _mm512_set1_ps(x); }
+  DOS_TGT static DOS_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
+  DOS_TGT static DOS_INLINE void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  DOS_TGT static DOS_INLINE F load_bf16(const uint16_t* p) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+  DOS_TGT static DOS_INLINE void store_bf16(uint16_t* p, F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  DOS_TGT static DOS_INLINE F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  DOS_TGT static DOS_INLINE void store_f16(uint16_t* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  DOS_TGT static DOS_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
+  DOS_TGT static DOS_INLINE F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  DOS_TGT static DOS_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  DOS_TGT static DOS_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
+  DOS_TGT static DOS_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  DOS_TGT static DOS_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#include "adamw_body.inc"
+#undef DOS_TGT
+}  // namespace avx512
+#endif  // DOS_X86
+
+bool isa_supported(Isa isa) {
+#ifdef DOS_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (isa == Isa::kAvx2) return avx2;
+  if (isa == Isa::kAvx512) return avx2 && __builtin_cpu_supports("avx512f");
+#endif
+  return isa == Isa::kScalar;
+}
+
+namespace {
+using RunFn = void (*)(const Consts&, const AdamwArrays&, int64_t, int64_t);
+
+RunFn pick(Isa isa) {
+#ifdef DOS_X86
+  if (isa == Isa::kAvx512) return &avx512::run;
+  if (isa == Isa::kAvx2) return &avx2::run;
+#endif
+  return &scalar::run;
+}
+
+constexpr int64_t kBlock = 64;            // per-thread ranges start on 64-element boundaries
+constexpr int64_t kChunk = 1 << 14;       // elements per call: ~230 KB of state and gradient
+constexpr int64_t kMinPerThread = 1 << 15;
+
+void run_range(RunFn fn, const Consts& c, const AdamwArrays& a, int64_t lo, int64_t hi) {
+  for (int64_t s = lo; s < hi; s += kChunk) fn(c, a, s, std::min(hi, s + kChunk));
+}
+}  // namespace
+
+void adamw(const AdamwArrays& a, const AdamwHyper& h, int threads, Isa isa) {
+  if (a.n <= 0) return;
+  const Consts c = make_consts(h);
+  const RunFn fn = pick(isa);
+  const int64_t most = (a.n + kMinPerThread - 1) / kMinPerThread;
+  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
+  if (t == 1) return run_range(fn, c, a, 0, a.n);
+  const int64_t blocks = (a.n + kBlock - 1) / kBlock;
+#pragma omp parallel num_threads(t)
+  {
+#ifdef _OPENMP
+    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t id = 0, nt = 1;
+#endif
+    const int64_t lo = std::min(a.n, blocks * id / nt * kBlock);
+    const int64_t hi = std::min(a.n, blocks * (id + 1) / nt * kBlock);
+    run_range(fn, c, a, lo, hi);
+  }
+}
+
+}  // namespace dos

@@ -1,0 +1,385 @@
+"""Measures this machine's `perfmodel.Calibration` and caches it, keyed by GPU, CPU and torch.
+
+- CPU AdamW (`dos.adam.cpu_adamw_`: bf16 grad in, fp32 state in place, weights out over the grad)
+  against the thread count, on a host arena laid out as the engine's, subgroup by subgroup.
+- GPU fused AdamW (`dos.adam.device_adamw_`, bf16 grad widened, bf16 weights out).
+- Pinned H2D and D2H alone and in duplex: copies enqueued up front on their own streams, timed per
+  copy with CUDA events (the host's GIL and launch jitter cannot distort them).
+- Contention: CPU AdamW in this thread while a long chain of duplex copies, enqueued up front,
+  runs; the Adam rate counts only subgroups inside the copies' window, the copy rates only copies
+  inside the Adam window.
+Without CUDA only the CPU rates are measured; the rest is None. `python -m dos.calibrate --help`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import adam
+from .buffers import HostArena, arena_blocks, available_host_bytes, thirds
+from .partition import partition
+from .perfmodel import Calibration, machine_key
+
+MI = 2**20
+DEVICE, PIN = "cuda", True  # tests run the GPU path on the CPU with a fake torch.cuda
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each measurement is."""
+
+    cpu_numel: int
+    """Elements of the CPU AdamW problem (host arena: 14 B/element)."""
+    subgroup_numel: int
+    """Elements per CPU AdamW call (and per GPU AdamW call)."""
+    gpu_numel: int
+    """Elements of the GPU AdamW problem (16 B/element + a subgroup of scratch)."""
+    copy_bytes: int
+    """Bytes per pinned copy."""
+    copies: int
+    """Copies per direction in the alone and duplex measurements."""
+    min_s: float
+    """Seconds each CPU AdamW measurement runs at least."""
+
+
+def default_sizes(quick: bool = False) -> Sizes:
+    """~256 Mi elements on a large host (H200: 3.5 GiB arena), less where memory is short."""
+    if quick:
+        return Sizes(cpu_numel=4 * MI, subgroup_numel=MI, gpu_numel=16 * MI, copy_bytes=16 * MI,
+                     copies=4, min_s=0.05)
+    avail, _ = available_host_bytes()
+    sg = 32 * MI
+    n = min(256 * MI, int(avail * 0.2) // 14)
+    if n < 4 * sg:
+        sg = max(MI, n // 4 // MI * MI)
+    return Sizes(cpu_numel=max(sg, n // sg * sg), subgroup_numel=sg, gpu_numel=256 * MI,
+                 copy_bytes=256 * MI, copies=8, min_s=0.15)
+
+
+def default_threads(cores: int) -> List[int]:
+    """1, 2, 4, ... up to the cores, 3/4 of them, and all of them."""
+    out = {1, cores} | {2**i for i in range(1, 12) if 2**i <= cores}
+    if cores >= 8:
+        out.add(cores * 3 // 4)
+    return sorted(out)
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_name() -> Optional[str]:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+# -- cache -------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    root = os.environ.get("DOS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dos")
+    return Path(root) / "calibration"
+
+
+def cache_path() -> Path:
+    return cache_dir() / f"{machine_key(gpu_name(), cpu_model(), torch.__version__)}.json"
+
+
+def load_or_none() -> Optional[Calibration]:
+    """The cached Calibration of this machine (GPU, CPU model, torch version), or None."""
+    path = cache_path()
+    try:
+        return Calibration.from_json(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def save(calib: Calibration, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(calib.to_json())
+    os.replace(tmp, path)  # atomic: a reader sees the old profile or the new one
+    return path
+
+
+# -- CPU AdamW ---------------------------------------------------------------------------------
+
+class CpuProblem:
+    """Host state laid out as the engine's arena, updated subgroup by subgroup."""
+
+    def __init__(self, numel: int, subgroup_numel: int):
+        self.layout = partition([[(numel, "torch.bfloat16")]], subgroup_numel)
+        blocks, nbytes = arena_blocks(self.layout, ["cpu"] * len(self.layout.subgroups), [2])
+        self.arena = HostArena(blocks, nbytes, {s: torch.bfloat16 for s in blocks}, pin=False)
+        for g in self.arena.grad.values():
+            g.fill_(1e-3)
+        self.next = 0
+        self.fallback = adam.cpu_impl() == "torch-fused"
+
+    def update(self, threads: int) -> Tuple[int, float, float]:
+        """One subgroup's AdamW -> (elements, start, end) on the host clock."""
+        s = self.layout.subgroups[self.next]
+        self.next = (self.next + 1) % len(self.layout.subgroups)
+        master, m, v = thirds(self.arena.state[s.index], s.numel)
+        g = self.arena.grad[s.index]
+        t0 = time.perf_counter()
+        adam.cpu_adamw_(master, m, v, g, g, step=1, grad_scale=1.0, threads=threads, **HYPER)
+        return s.numel, t0, time.perf_counter()
+
+    def run(self, threads: int, min_s: float) -> List[Tuple[int, float, float]]:
+        """Subgroups until `min_s` seconds passed (at least one)."""
+        old = torch.get_num_threads()
+        if self.fallback:  # torch's kernel ignores `threads`: its pool size is process-wide
+            torch.set_num_threads(threads)
+        try:
+            spans, t0 = [], time.perf_counter()
+            while not spans or time.perf_counter() - t0 < min_s:
+                spans.append(self.update(threads))
+            return spans
+        finally:
+            torch.set_num_threads(old)
+
+    def warm_up(self, threads: int) -> None:
+        """Touch every page once (first-touch faults are not the rate)."""
+        for _ in self.layout.subgroups:
+            self.update(threads)
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+def rate(spans: Sequence[Tuple[int, float, float]]) -> float:
+    return sum(n for n, _, _ in spans) / max(1e-9, sum(b - a for _, a, b in spans))
+
+
+def cpu_rates(prob: CpuProblem, threads: Sequence[int], min_s: float, repeats: int = 3) -> List[float]:
+    return [statistics.median(rate(prob.run(t, min_s)) for _ in range(repeats)) for t in threads]
+
+
+# -- GPU: AdamW and copies ---------------------------------------------------------------------
+
+def gpu_adam_rate(numel: int, subgroup_numel: int, passes: int = 5) -> float:
+    dev = torch.device(DEVICE)
+    numel = min(numel, torch.cuda.mem_get_info()[0] // 64)  # 20 B/element: leave most of it free
+    sg = min(numel, subgroup_numel)
+    n = numel // sg * sg
+    state = torch.zeros(3 * n, device=dev)
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16, device=dev)
+    param = torch.zeros(n, dtype=torch.bfloat16, device=dev)
+    scratch = torch.empty(sg, device=dev)
+    step_t = torch.ones((), device=dev)
+
+    def one_pass():
+        for lo in range(0, n, sg):
+            master, m, v = (state[i * n + lo: i * n + lo + sg] for i in range(3))
+            adam.device_adamw_(master, m, v, grad[lo: lo + sg], param[lo: lo + sg], step_t=step_t,
+                               scale_t=None, scratch=scratch, **HYPER)
+
+    one_pass()  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(passes):
+        one_pass()
+    end.record()
+    end.synchronize()
+    return passes * n / (start.elapsed_time(end) / 1e3)
+
+
+class Copies:
+    """Pinned host and device buffers, one stream per direction, per-copy CUDA events."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.host_src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=PIN)
+        self.host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=PIN)
+        self.dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+        self.dev_src = torch.ones(nbytes, dtype=torch.uint8, device=DEVICE)
+        self.streams = {"h2d": torch.cuda.Stream(), "d2h": torch.cuda.Stream()}
+
+    def chain(self, direction: str, n: int, gate=None) -> List[torch.cuda.Event]:
+        """Enqueue n copies in `direction` (after `gate`); events before, between and after."""
+        stream = self.streams[direction]
+        dst, src = (self.dev_dst, self.host_src) if direction == "h2d" else (self.host_dst, self.dev_src)
+        with torch.cuda.stream(stream):
+            if gate is not None:
+                stream.wait_event(gate)
+            events = [torch.cuda.Event(enable_timing=True)]
+            events[0].record()
+            for _ in range(n):
+                dst.copy_(src, non_blocking=True)
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record()
+        return events
+
+    @staticmethod
+    def gate(seconds: float = 2e-3) -> torch.cuda.Event:
+        """An event that fires after a GPU spin: chains behind it start together, enqueued up front."""
+        torch.cuda._sleep(int(seconds * 2e9))
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+
+def spans_of(events: List[torch.cuda.Event], ref: torch.cuda.Event, t_ref: float) -> List[Tuple[float, float]]:
+    """Per-copy (start, end) on the host clock (ref happened at host time t_ref)."""
+    ts = [t_ref + ref.elapsed_time(e) / 1e3 for e in events]
+    return list(zip(ts, ts[1:]))
+
+
+def bandwidth(nbytes: int, spans, lo: float = -math.inf, hi: float = math.inf) -> Optional[float]:
+    """Bytes/s over the copies that lie inside [lo, hi]."""
+    inside = [(a, b) for a, b in spans if a >= lo and b <= hi]
+    if not inside:
+        return None
+    return len(inside) * nbytes / sum(b - a for a, b in inside)
+
+
+def copy_rates(cp: Copies, copies: int) -> dict:
+    """Alone and duplex bandwidth of each direction."""
+    out = {}
+    for d in ("h2d", "d2h"):
+        ev = cp.chain(d, copies, cp.gate())
+        torch.cuda.synchronize()
+        out[f"{d}_bw"] = bandwidth(cp.nbytes, spans_of(ev, ev[0], 0.0))
+    gate = cp.gate()
+    ev = {d: cp.chain(d, copies, gate) for d in ("h2d", "d2h")}
+    torch.cuda.synchronize()
+    spans = {d: spans_of(e, ev["h2d"][0], 0.0) for d, e in ev.items()}
+    lo = max(s[0][0] for s in spans.values())
+    hi = min(s[-1][1] for s in spans.values())
+    for d in ("h2d", "d2h"):  # copies of the window both directions ran in (all, if none fit)
+        out[f"{d}_duplex_bw"] = bandwidth(cp.nbytes, spans[d], lo, hi) or bandwidth(cp.nbytes, spans[d])
+    return out
+
+
+def contended(prob: CpuProblem, cp: Copies, threads: int, min_s: float, copy_bw: float,
+              alone_rate: float) -> Tuple[float, float, float]:
+    """(CPU AdamW elements/s, H2D bytes/s, D2H bytes/s) while both run at once. `copy_bw`: the
+    faster direction's duplex bytes/s, `alone_rate`: CPU AdamW's (size the copy chain to outlast
+    the CPU work, however much the two slow each other down)."""
+    sg_s = prob.layout.subgroup_numel / alone_rate
+    n = math.ceil(2.0 * (min_s + 2 * sg_s) * copy_bw / cp.nbytes) + 2
+    ref = torch.cuda.Event(enable_timing=True)
+    ref.record(cp.streams["h2d"])
+    ref.synchronize()
+    t_ref = time.perf_counter()
+    ev = {d: cp.chain(d, n) for d in ("h2d", "d2h")}
+    work = prob.run(threads, min_s)
+    torch.cuda.synchronize()
+    spans = {d: spans_of(e, ref, t_ref) for d, e in ev.items()}
+    lo = max(s[0][0] for s in spans.values())
+    hi = min(s[-1][1] for s in spans.values())
+    inside = [w for w in work if w[1] >= lo and w[2] <= hi] or work
+    a0, a1 = work[0][1], work[-1][2]
+    bws = [bandwidth(cp.nbytes, spans[d], a0, a1) or bandwidth(cp.nbytes, spans[d]) for d in ("h2d", "d2h")]
+    return rate(inside), bws[0], bws[1]
+
+
+# -- the whole measurement ---------------------------------------------------------------------
+
+def measure(sizes: Optional[Sizes] = None, threads: Optional[Sequence[int]] = None,
+            gpu: Optional[bool] = None, log=print) -> Calibration:
+    """Measure this machine (GPU parts only where CUDA is available and `gpu` is not False)."""
+    sizes = sizes or default_sizes()
+    threads = sorted(set(threads or default_threads(cores())))
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    t0 = time.perf_counter()
+    prob = CpuProblem(sizes.cpu_numel, sizes.subgroup_numel)
+    try:
+        prob.warm_up(max(threads))
+        log(f"calibrate: CPU AdamW over {sizes.cpu_numel / 1e6:.0f}M elements, threads {threads}")
+        cpu = cpu_rates(prob, threads, sizes.min_s)
+        kw = {}
+        if gpu:
+            log(f"calibrate: GPU AdamW, pinned copies of {sizes.copy_bytes / MI:.0f} MiB, contention")
+            kw["gpu_rate"] = gpu_adam_rate(sizes.gpu_numel, sizes.subgroup_numel)
+            cp = Copies(sizes.copy_bytes)
+            kw.update(copy_rates(cp, sizes.copies))
+            bw = max(kw["h2d_duplex_bw"], kw["d2h_duplex_bw"])
+            rows = [contended(prob, cp, t, sizes.min_s, bw, r) for t, r in zip(threads, cpu)]
+            # DMA never speeds the CPU up: a contended rate above the alone one is noise.
+            kw.update(cpu_rate_dma=tuple(min(r[0], c) for r, c in zip(rows, cpu)),
+                      h2d_bw_cpu=tuple(r[1] for r in rows), d2h_bw_cpu=tuple(r[2] for r in rows))
+            del cp
+    finally:
+        prob.close()
+    log(f"calibrate: {time.perf_counter() - t0:.1f} s")
+    return Calibration(
+        cpu_threads=tuple(threads), cpu_rate=tuple(cpu), gpu_name=gpu_name() if gpu else None,
+        cpu_model=cpu_model(), torch_version=torch.__version__, cpu_impl=adam.cpu_impl(),
+        host_cores=cores(), created=datetime.datetime.now().isoformat(timespec="seconds"), **kw)
+
+
+def table(c: Calibration) -> str:
+    """The profile as a text table (rates in G elements/s, bandwidths in GB/s)."""
+    def g(x, scale=1e9):
+        return f"{x / scale:8.2f}" if x is not None else "       -"
+
+    def col(values, i):
+        return values[i] if values is not None else None
+
+    lines = [f"dos calibration ({c.source}, {c.created or 'undated'}): GPU {c.gpu_name or 'none'} | "
+             f"CPU {c.cpu_model} ({c.host_cores} cores) | torch {c.torch_version} | {c.cpu_impl}",
+             "threads  CPU AdamW G/s   +DMA G/s   H2D GB/s (CPU running)   D2H GB/s (CPU running)"]
+    for i, t in enumerate(c.cpu_threads):
+        lines.append(f"{t:7d}  {g(c.cpu_rate[i])}       {g(col(c.cpu_rate_dma, i))}   "
+                     f"{g(col(c.h2d_bw_cpu, i))}                 {g(col(c.d2h_bw_cpu, i))}")
+    lines += [f"GPU AdamW      {g(c.gpu_rate)} G elements/s",
+              f"pinned H2D     {g(c.h2d_bw)} GB/s alone {g(c.h2d_duplex_bw)} GB/s duplex",
+              f"pinned D2H     {g(c.d2h_bw)} GB/s alone {g(c.d2h_duplex_bw)} GB/s duplex"]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dos calibrate",
+                                description="measure this machine's update-phase rates (under a minute)")
+    p.add_argument("--out", help="also write the profile (json) to this path")
+    p.add_argument("--threads", help="CPU thread counts to measure, comma-separated (default: 1, 2, 4, "
+                                     "..., 3/4 of the cores, all cores)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test; rates are rough)")
+    p.add_argument("--cached", action="store_true", help="show the cached profile; measure only if none")
+    return p
+
+
+def main(argv=None) -> int:
+    """`python -m dos calibrate`: measure, cache under ~/.cache/dos/calibration/, print the table."""
+    args = _parser().parse_args(argv)
+    calib = load_or_none() if args.cached else None
+    if calib is None:
+        threads = [int(x) for x in args.threads.split(",")] if args.threads else None
+        calib = measure(default_sizes(args.quick), threads)
+        if not args.quick:  # a rough profile never replaces the machine's cached one
+            print(f"calibrate: cached {save(calib, cache_path())}")
+    if args.out:
+        print(f"calibrate: wrote {save(calib, Path(args.out))}")
+    print(table(calib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

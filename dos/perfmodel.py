@@ -1,0 +1,416 @@
+"""PURE: the performance model of the update phase. A Calibration (this machine's rates) and a Plan
+give predicted lane times; `choose` searches the best Plan; `update` refines the rates online.
+
+Units: update rates in elements/s, copies in bytes/s, times in seconds. One update phase, as
+dos/lanes.py runs it (n_j: elements of subgroup j; S: staging slots; t: CPU threads):
+
+  resident  t_res = N_res / R_gpu, first on the compute stream.
+  staged    a 3-stage pipeline over `staged_order`, one stream per stage, S slots:
+              H_j = max(H_{j-1}, D_{j-S}) + 12 n_j / B_h2d     (a slot is refilled once written back)
+              G_j = max(G_{j-1}, H_j)     + n_j / R_gpu        (G_{-1} = t_res)
+              D_j = max(D_{j-1}, G_j)     + 12 n_j / B_d2h
+            its span P = D_last (the last write-back is inside). Copies run at the duplex rates:
+            in a pipeline both directions are busy nearly all the time.
+  overlap   while the CPU lane and the staged copies both run they slow each other down (host DRAM):
+            the CPU updates at R_cpu_dma(t), the copies move at B_h2d_cpu(t) - u and B_d2h_cpu(t),
+            u = param_bytes * R_cpu_dma(t) being the uploads of CPU-updated weights, which share the
+            H2D direction. Whichever finishes first, the other does the rest of its work alone
+            ("fluid" model): with Pc, Pu the pipeline spans at contended / alone copy rates and
+            Cc = N_cpu / R_cpu_dma(t),
+              Cc >= Pc:  T_staged = Pc,  T_cpu = Pc + (N_cpu - Pc R_cpu_dma) / R_cpu
+              Cc <  Pc:  T_cpu = Cc,     T_staged = Cc + (1 - Cc / Pc) Pu
+  tail      the last CPU subgroup's upload, param_bytes n_last / B_h2d, after T_cpu.
+  total     max(T_cpu + tail, T_staged, t_gpu, H2D bytes / B_h2d, D2H bytes / B_d2h); the last
+            two are lower bounds at the alone rates. Gradient D2H of CPU subgroups runs during
+            backward and is reported, not counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .plan import CPU, RESIDENT, STAGED, Plan
+
+STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq, each way per staged element
+SCRATCH_BYTES = 4  # fp32 widening buffer of a low-precision gradient, per subgroup element
+MAX_STRIDE = 16
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured rates of one machine (dos/calibrate.py). GPU fields are None on a CPU-only machine."""
+
+    cpu_threads: Tuple[int, ...]
+    """Thread counts the CPU rates were measured at, ascending."""
+    cpu_rate: Tuple[float, ...]
+    """CPU AdamW (bf16 grad in, fp32 state, bf16 weights out), elements/s, per thread count, alone."""
+    cpu_rate_dma: Optional[Tuple[float, ...]] = None
+    """The same while pinned duplex H2D+D2H copies run (host DRAM contention)."""
+    h2d_bw_cpu: Optional[Tuple[float, ...]] = None
+    """Pinned H2D bytes/s in duplex while CPU AdamW runs with that many threads."""
+    d2h_bw_cpu: Optional[Tuple[float, ...]] = None
+    """Pinned D2H bytes/s in duplex while CPU AdamW runs with that many threads."""
+    gpu_rate: Optional[float] = None
+    """Fused GPU AdamW with bf16 grad widening and the cast to bf16 weights, elements/s."""
+    h2d_bw: Optional[float] = None
+    """Pinned H2D bytes/s, alone."""
+    d2h_bw: Optional[float] = None
+    """Pinned D2H bytes/s, alone."""
+    h2d_duplex_bw: Optional[float] = None
+    """Pinned H2D bytes/s while D2H runs too."""
+    d2h_duplex_bw: Optional[float] = None
+    """Pinned D2H bytes/s while H2D runs too."""
+    gpu_name: Optional[str] = None
+    """torch.cuda.get_device_name (None: no GPU). Part of the machine key."""
+    cpu_model: str = ""
+    """CPU model name (/proc/cpuinfo). Part of the machine key."""
+    torch_version: str = ""
+    """torch.__version__. Part of the machine key."""
+    cpu_impl: str = ""
+    """CPU AdamW implementation measured (dos.adam.cpu_impl())."""
+    host_cores: int = 0
+    """Cores this process could use when measured."""
+    created: str = ""
+    """When it was measured (ISO 8601)."""
+    source: str = "measured"
+    """'measured' | 'refined' (by online updates) | 'assumed' (numbers from DESIGN.md)."""
+
+    def __post_init__(self):
+        n = len(self.cpu_threads)
+        if n == 0 or list(self.cpu_threads) != sorted(set(self.cpu_threads)) or self.cpu_threads[0] < 1:
+            raise ValueError(f"cpu_threads must be ascending distinct counts >= 1, got {self.cpu_threads}")
+        for name in ("cpu_rate", "cpu_rate_dma", "h2d_bw_cpu", "d2h_bw_cpu"):
+            v = getattr(self, name)
+            if v is not None and (len(v) != n or min(v) <= 0):
+                raise ValueError(f"{name} needs {n} positive values (one per thread count), got {v}")
+        for name in ("gpu_rate", "h2d_bw", "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be positive or None, got {v}")
+
+    @property
+    def has_gpu(self) -> bool:
+        return None not in (self.gpu_rate, self.h2d_bw, self.d2h_bw, self.h2d_duplex_bw, self.d2h_duplex_bw)
+
+    @property
+    def key(self) -> str:
+        return machine_key(self.gpu_name, self.cpu_model, self.torch_version)
+
+    def cpu(self, threads: int, dma: bool = False) -> float:
+        """CPU AdamW elements/s at `threads` (alone, or while duplex DMA runs)."""
+        ys = self.cpu_rate_dma if dma and self.cpu_rate_dma is not None else self.cpu_rate
+        return _interp(self.cpu_threads, ys, threads)
+
+    def h2d_cpu(self, threads: int) -> float:
+        """Duplex H2D bytes/s while the CPU lane runs with `threads`."""
+        ys = self.h2d_bw_cpu
+        return _interp(self.cpu_threads, ys, threads) if ys is not None else self.h2d_duplex_bw
+
+    def d2h_cpu(self, threads: int) -> float:
+        ys = self.d2h_bw_cpu
+        return _interp(self.cpu_threads, ys, threads) if ys is not None else self.d2h_duplex_bw
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        d = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+        return cls(**d)
+
+
+def machine_key(gpu_name: Optional[str], cpu_model: str, torch_version: str) -> str:
+    """File-name-safe key of a machine profile: GPU, CPU model, torch version."""
+    parts = (gpu_name or "nogpu", cpu_model or "cpu", "torch" + torch_version)
+    return "__".join(re.sub(r"[^A-Za-z0-9.]+", "-", p).strip("-") for p in parts)
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear in the thread count, flat beyond the measured ones."""
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]
+
+
+# DESIGN.md §8 (H200 host, 16 cores). Counts other than 8 and 16 are scaled guesses: a prior, and
+# the test fixture of a realistic machine; real runs use a measured profile.
+DESIGN_H200 = Calibration(
+    cpu_threads=(1, 2, 4, 8, 16),
+    cpu_rate=(0.36e9, 0.72e9, 1.4e9, 2.65e9, 4.1e9),
+    cpu_rate_dma=(0.3e9, 0.55e9, 1.0e9, 1.74e9, 2.9e9),
+    h2d_bw_cpu=(49e9, 48e9, 45e9, 40e9, 36e9),
+    d2h_bw_cpu=(50e9, 50e9, 50e9, 50e9, 50e9),
+    gpu_rate=121e9, h2d_bw=55.4e9, d2h_bw=55.3e9, h2d_duplex_bw=50e9, d2h_duplex_bw=50e9,
+    gpu_name="NVIDIA H200", cpu_model="16-core Xeon (DESIGN.md)", torch_version="2.11",
+    host_cores=16, source="assumed")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted update phase of one Plan (seconds from the start of `step()`)."""
+
+    cpu_s: float
+    """CPU lane busy time (contention included)."""
+    h2d_s: float
+    """Staged prefetch copies, busy time."""
+    d2h_s: float
+    """Staged write-back copies, busy time."""
+    gpu_s: float
+    """Compute stream busy time: resident and staged updates."""
+    upload_s: float
+    """Uploads of CPU-updated weights, busy time at the alone H2D rate."""
+    staged_s: float
+    """End of the staged lane (its last D2H)."""
+    cpu_end_s: float
+    """End of the CPU lane, its last upload included."""
+    grad_d2h_s: float
+    """Gradient D2H of CPU subgroups (overlapped with backward; not in total_s)."""
+    total_s: float
+    """The update phase: the latest lane end, or a copy direction's lower bound."""
+    bottleneck: str
+    """'cpu' | 'h2d' | 'gpu' | 'd2h' | 'none': what bounds total_s."""
+
+
+@dataclass(frozen=True)
+class Pipe:
+    span: float
+    h2d: float
+    gpu: float
+    d2h: float
+
+
+def pipeline(numels: Sequence[int], slots: int, h2d_bw: float, d2h_bw: float, gpu_rate: float,
+             gpu_start: float = 0.0) -> Pipe:
+    """The staged lane: H2D -> GPU update -> D2H per subgroup, `slots` subgroups in flight."""
+    h_end, g_end, d_ends = 0.0, gpu_start, []
+    h2d = gpu = d2h = 0.0
+    for j, n in enumerate(numels):
+        h, g, d = STATE_BYTES * n / h2d_bw, n / gpu_rate, STATE_BYTES * n / d2h_bw
+        slot_free = d_ends[j - slots] if j >= slots else 0.0
+        h_end = max(h_end, slot_free) + h
+        g_end = max(g_end, h_end) + g
+        d_ends.append(max(d_ends[-1] if d_ends else 0.0, g_end) + d)
+        h2d, gpu, d2h = h2d + h, gpu + g, d2h + d
+    return Pipe(d_ends[-1] if d_ends else 0.0, h2d, gpu, d2h)
+
+
+def overlap(cpu_work: float, r_alone: float, r_dma: float, p_dma: float, p_alone: float):
+    """Fluid overlap of the CPU lane and the staged copies -> (T_cpu, T_staged, share of the
+    staged lane that ran under contention)."""
+    if cpu_work <= 0:
+        return 0.0, p_alone, 0.0
+    if p_dma <= 0:
+        return cpu_work / r_alone, 0.0, 0.0
+    c_dma = cpu_work / r_dma
+    if c_dma >= p_dma:
+        return p_dma + (cpu_work - p_dma * r_dma) / r_alone, p_dma, 1.0
+    frac = c_dma / p_dma
+    return c_dma, c_dma + (1 - frac) * p_alone, frac
+
+
+def predict(plan: Plan, calib: Calibration, *, grad_bytes: int = 2, param_bytes: int = 2) -> Prediction:
+    """Predicted lane times of `plan` on the machine `calib` describes (see the module docstring)."""
+    n_cpu, n_res = plan.numel(CPU), plan.numel(RESIDENT)
+    staged = [plan.numels[s] for s in plan.staged_order]
+    if (staged or n_res) and not calib.has_gpu:
+        raise ValueError("the plan updates on the GPU but the calibration has no GPU rates")
+    t = plan.cpu_threads
+    r_alone, r_dma = calib.cpu(t), calib.cpu(t, dma=True)
+    t_res = n_res / calib.gpu_rate if n_res else 0.0
+    if staged:
+        u = param_bytes * r_dma if n_cpu else 0.0
+        h2d_c = max(calib.h2d_cpu(t) - u, 0.1 * calib.h2d_cpu(t))
+        p_dma = pipeline(staged, plan.staging_slots, h2d_c, calib.d2h_cpu(t), calib.gpu_rate, t_res)
+        p_alone = pipeline(staged, plan.staging_slots, calib.h2d_duplex_bw, calib.d2h_duplex_bw,
+                           calib.gpu_rate, t_res)
+    else:
+        p_dma = p_alone = Pipe(0.0, 0.0, 0.0, 0.0)
+    t_cpu, t_staged, frac = overlap(n_cpu, r_alone, r_dma, p_dma.span, p_alone.span)
+    h2d = frac * p_dma.h2d + (1 - frac) * p_alone.h2d
+    d2h = frac * p_dma.d2h + (1 - frac) * p_alone.d2h
+    gpu = t_res + p_alone.gpu
+    bw_up = calib.h2d_bw or float("inf")  # no GPU: the CPU writes the weights in place
+    bw_down = calib.d2h_bw or float("inf")
+    tail = param_bytes * plan.numels[plan.cpu_order[-1]] / bw_up if n_cpu else 0.0
+    lanes = {"cpu": t_cpu + tail, "staged": t_staged, "gpu": gpu,
+             "h2d": (STATE_BYTES * sum(staged) + param_bytes * n_cpu) / bw_up,
+             "d2h": STATE_BYTES * sum(staged) / bw_down}
+    total = max(lanes.values())
+    return Prediction(cpu_s=t_cpu, h2d_s=h2d, d2h_s=d2h, gpu_s=gpu, upload_s=param_bytes * n_cpu / bw_up,
+                      staged_s=t_staged, cpu_end_s=lanes["cpu"], grad_d2h_s=grad_bytes * n_cpu / bw_down,
+                      total_s=total, bottleneck=_bottleneck(lanes, total, h2d, p_alone.gpu, d2h))
+
+
+def _bottleneck(lanes: Dict[str, float], total: float, h2d: float, gpu: float, d2h: float) -> str:
+    if total <= 0:
+        return "none"
+    name = max(lanes, key=lambda k: (lanes[k], k == "cpu"))  # ties: the CPU lane
+    if name == "staged":
+        return max((h2d, "h2d"), (gpu, "gpu"), (d2h, "d2h"))[1]
+    return name
+
+
+# -- choosing a plan ----------------------------------------------------------------------------
+
+def spread(count: int, share: Fraction) -> Tuple[bool, ...]:
+    """Which of `count` positions go to the staged lane, spread evenly (Bresenham): position p is
+    staged iff floor((p+1) share) > floor(p share). share = 1/k stages every k-th position — exactly
+    `make_plan`'s stride k; share = 1 - 1/k puts every k-th position (the first one first) on the CPU."""
+    a, b = share.numerator, share.denominator
+    return tuple((p + 1) * a // b > p * a // b for p in range(count))
+
+
+def build_plan(numels: Sequence[int], *, resident: int, staged_share: Fraction, cpu_threads: int,
+               staging_slots: int, placement: str = "interleaved") -> Plan:
+    """A Plan with the first `resident` subgroups (flat order, as `plan.resident_subgroups`) resident
+    and `staged_share` of the others staged, spread over the gradient-ready order."""
+    n = len(numels)
+    rest = [i for i in reversed(range(n)) if i >= resident]  # gradient-ready order, as make_plan
+    share = Fraction(staged_share)
+    flags = spread(len(rest), share)
+    staged = [i for i, f in zip(rest, flags) if f]
+    cpu = [i for i, f in zip(rest, flags) if not f]
+    lanes = tuple(RESIDENT if i < resident else STAGED if f else CPU
+                  for i, f in zip(range(n), [False] * resident + list(flags[::-1])))
+    stride = share.denominator if staged and share.numerator == 1 else None
+    return Plan(placement=placement, stride=stride, lanes=lanes, numels=tuple(numels),
+                cpu_order=tuple(cpu), staged_order=tuple(staged), cpu_threads=cpu_threads,
+                staging_slots=min(staging_slots, len(staged)))
+
+
+def shares(max_stride: int = MAX_STRIDE) -> List[Fraction]:
+    """Staged shares searched: all-CPU, 1/k (stride k) and 1 - 1/k (every k-th on the CPU)."""
+    out = {Fraction(0)} | {Fraction(1, k) for k in range(1, max_stride + 1)}
+    out |= {1 - Fraction(1, k) for k in range(2, max_stride + 1)}
+    return sorted(out)
+
+
+def memory_options(numels: Sequence[int], free_gpu_bytes: float, staging_slots: int,
+                   subgroup_numel: int, grad_bytes: int = 2,
+                   resident: Optional[int] = None) -> List[Tuple[int, int]]:
+    """(resident subgroups, staging slots) pairs that fit `free_gpu_bytes`: for each slot count the
+    most resident subgroups that fit (or the given `resident`). Resident state costs 12 B/element,
+    a slot 12 B x subgroup_numel, and any GPU update of low-precision gradients a 4 B scratch."""
+    prefix = [0]
+    for n in numels:
+        prefix.append(prefix[-1] + STATE_BYTES * n)
+    scratch = SCRATCH_BYTES * subgroup_numel if grad_bytes < 4 else 0
+    out = set()
+    for slots in range(staging_slots + 1):
+        fixed = slots * STATE_BYTES * subgroup_numel
+        candidates = [resident] if resident is not None else range(len(numels), -1, -1)
+        for r in candidates:
+            need = fixed + prefix[r] + (scratch if slots or r else 0)
+            if need <= free_gpu_bytes:
+                out.add((r, slots))
+                break
+    return sorted(out)
+
+
+def thread_options(calib: Calibration, max_threads: int) -> List[int]:
+    return sorted({t for t in calib.cpu_threads if t <= max_threads} | {max_threads})
+
+
+def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, max_threads: int,
+           staging_slots: int = 3, subgroup_numel: Optional[int] = None, grad_bytes: int = 2,
+           param_bytes: int = 2, resident: Optional[int] = None,
+           placement: str = "interleaved") -> Tuple[Plan, Prediction]:
+    """The Plan with the least predicted update phase, and its prediction.
+
+    Searches the resident share (as much as `free_gpu_bytes` holds beside each slot count 0..
+    `staging_slots`; or exactly `resident` subgroups), the staged share of the rest (`shares()`)
+    and the CPU threads (the calibrated counts up to `max_threads`). `free_gpu_bytes`: GPU memory
+    the optimizer may still take for the whole run (free at the iteration's peak, minus a margin).
+    Ties go to fewer threads. Without GPU rates only all-CPU plans are considered."""
+    numels = tuple(numels)
+    sg = subgroup_numel or max(numels, default=0)
+    if calib.has_gpu:
+        memory = memory_options(numels, free_gpu_bytes, staging_slots, sg, grad_bytes, resident)
+    else:
+        memory = [(0, 0)]
+    best = None
+    for r, slots in memory or [(0, 0)]:
+        for share in (shares() if slots and r < len(numels) else [Fraction(0)]):
+            for t in thread_options(calib, max_threads):
+                plan = build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
+                                  staging_slots=slots, placement=placement)
+                pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes)
+                key = (pred.total_s, t, -r)
+                if best is None or key < best[0]:
+                    best = (key, plan, pred)
+    _, plan, pred = best
+    return plan.replace(predicted_step_s=pred.total_s), pred
+
+
+# -- online refinement --------------------------------------------------------------------------
+
+def _ratio(predicted: float, measured: Optional[float], lo: float = 0.1, hi: float = 10.0) -> Optional[float]:
+    if not measured or measured <= 0 or predicted <= 0:
+        return None
+    return min(hi, max(lo, predicted / measured))
+
+
+def _scale(values, f: float):
+    if values is None:
+        return None
+    return tuple(v * f for v in values) if isinstance(values, tuple) else values * f
+
+
+def update(calib: Calibration, plan: Plan, lane_totals: Dict[str, float], *, alpha: float = 0.5,
+           grad_bytes: int = 2, param_bytes: int = 2) -> Calibration:
+    """Online refinement: moves the rates a step `alpha` towards those a measured update phase
+    implies (an exponential moving average of the implied rates).
+
+    `lane_totals`: busy seconds per lane (`dos.trace.lane_totals`). Each lane's rate is scaled by
+    (1 - alpha) + alpha * predicted / measured busy time, so a machine under foreign load converges
+    geometrically. The CPU factor scales every thread count alike (a foreign load is assumed to
+    slow them all), alone and under DMA; the H2D / D2H factors scale every rate of that direction.
+    Uploads and the span are not used (too small / a mix of everything)."""
+    pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes)
+    kw = {}
+
+    def factor(predicted, lane):
+        r = _ratio(predicted, lane_totals.get(lane))
+        return None if r is None else (1 - alpha) + alpha * r
+
+    f = factor(pred.cpu_s, "cpu") if plan.numel(CPU) else None
+    if f is not None:
+        kw.update(cpu_rate=_scale(calib.cpu_rate, f), cpu_rate_dma=_scale(calib.cpu_rate_dma, f))
+    if calib.has_gpu:
+        f = factor(pred.gpu_s, "gpu") if plan.numel(STAGED) + plan.numel(RESIDENT) else None
+        if f is not None:
+            kw["gpu_rate"] = calib.gpu_rate * f
+        for d in ("h2d", "d2h"):
+            f = factor(getattr(pred, f"{d}_s"), d) if plan.staged_order else None
+            if f is not None:
+                kw.update({name: _scale(getattr(calib, name), f)
+                           for name in (f"{d}_bw", f"{d}_duplex_bw", f"{d}_bw_cpu")})
+    return dataclasses.replace(calib, source="refined", **kw) if kw else calib
+
+
+def replan(plan: Plan, calib: Calibration, *, margin: float = 0.05, keep_memory: bool = True,
+           **choose_kw) -> Optional[Tuple[Plan, Prediction]]:
+    """A better plan when its predicted gain exceeds `margin`, else None. `keep_memory`: keep the
+    resident subgroups and slots (re-planning moves only CPU/staged lanes and threads; no GPU
+    allocation changes). `choose_kw`: as `choose` (free_gpu_bytes, max_threads, ...)."""
+    current = predict(plan, calib, grad_bytes=choose_kw.get("grad_bytes", 2),
+                      param_bytes=choose_kw.get("param_bytes", 2))
+    if keep_memory:
+        r = len(plan.resident)
+        if r and plan.resident != tuple(range(r)):
+            raise ValueError("keep_memory needs the resident subgroups to be the first ones")
+        choose_kw.update(resident=r, staging_slots=plan.staging_slots,
+                         free_gpu_bytes=float("inf"))
+    new, pred = choose(plan.numels, calib, placement=plan.placement, **choose_kw)
+    if current.total_s > (1 + margin) * pred.total_s:
+        return new, pred
+    return None

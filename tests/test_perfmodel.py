@@ -1,0 +1,369 @@
+"""The pure performance model at its limits, the plan search, online refinement, and a CPU smoke
+run of the calibration tool."""
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from fractions import Fraction as F
+
+import pytest
+import torch
+
+from dos import calibrate, perfmodel as pm
+from dos.partition import partition
+from dos.plan import CPU, RESIDENT, STAGED, make_plan
+
+H200 = pm.DESIGN_H200
+SG = 48 * 2**20
+N7B = 6_738_415_616
+NUMELS_7B = (SG,) * (N7B // SG) + (N7B % SG,)
+INF = 1e30
+
+
+def plan_of(numels, share, *, resident=0, threads=16, slots=3):
+    return pm.build_plan(numels, resident=resident, staged_share=F(share), cpu_threads=threads,
+                         staging_slots=slots)
+
+
+def with_(calib=H200, **kw):
+    return dataclasses.replace(calib, **kw)
+
+
+def flat_contention(calib=H200):
+    """No DRAM contention: copies and CPU run at their alone rates whatever overlaps."""
+    return with_(calib, cpu_rate_dma=calib.cpu_rate, h2d_bw_cpu=(calib.h2d_duplex_bw,) * len(calib.cpu_threads),
+                 d2h_bw_cpu=(calib.d2h_duplex_bw,) * len(calib.cpu_threads))
+
+
+# -- predict at its limits -----------------------------------------------------------------------
+
+def test_all_cpu_time_is_elements_over_cpu_rate():
+    p = pm.predict(plan_of(NUMELS_7B, 0), H200)
+    tail = 2 * NUMELS_7B[0] / H200.h2d_bw  # the last upload: cpu_order ends with subgroup 0
+    assert p.total_s == pytest.approx(N7B / 4.1e9 + tail, rel=1e-9)
+    assert p.cpu_s == pytest.approx(N7B / 4.1e9, rel=1e-9)
+    assert p.bottleneck == "cpu" and p.h2d_s == p.d2h_s == p.gpu_s == 0
+    assert p.upload_s == pytest.approx(2 * N7B / H200.h2d_bw)
+    assert p.grad_d2h_s == pytest.approx(2 * N7B / H200.d2h_bw)
+
+
+def test_infinite_pcie_staged_lane_is_bound_by_gpu_rate():
+    calib = with_(H200, h2d_bw=INF, d2h_bw=INF, h2d_duplex_bw=INF, d2h_duplex_bw=INF,
+                  h2d_bw_cpu=(INF,) * 5, d2h_bw_cpu=(INF,) * 5)
+    p = pm.predict(plan_of(NUMELS_7B, 1), calib)
+    assert p.total_s == pytest.approx(N7B / H200.gpu_rate, rel=1e-9)
+    assert p.bottleneck == "gpu"
+    # With infinite PCIe and a CPU lane, the CPU lane bounds the step at its contended rate.
+    p2 = pm.predict(plan_of(NUMELS_7B, F(1, 2)), calib)
+    assert p2.bottleneck == "cpu"
+    n_cpu = plan_of(NUMELS_7B, F(1, 2)).numel(CPU)
+    assert n_cpu / 4.1e9 <= p2.cpu_s <= n_cpu / 2.9e9 * 1.0001
+
+
+def test_no_cpu_puts_everything_on_the_gpu():
+    calib = with_(H200, cpu_rate=(1.0,) * 5, cpu_rate_dma=(1.0,) * 5)
+    for free in (3 * 12 * SG + 4 * SG, 20e9, 200e9):
+        plan, pred = pm.choose(NUMELS_7B, calib, free_gpu_bytes=free, max_threads=16)
+        assert CPU not in plan.lanes
+        assert pred.total_s < 10
+    plan, _ = pm.choose(NUMELS_7B, calib, free_gpu_bytes=200e9, max_threads=16)
+    assert set(plan.lanes) == {RESIDENT} and plan.staging_slots == 0
+
+
+def test_no_free_gpu_memory_is_all_cpu():
+    plan, pred = pm.choose(NUMELS_7B, H200, free_gpu_bytes=0, max_threads=16)
+    assert set(plan.lanes) == {CPU} and plan.staging_slots == 0
+    assert plan.predicted_step_s == pred.total_s
+
+
+def test_only_the_slots_that_fit():
+    two = 2 * 12 * SG + 4 * SG  # two slots and the scratch, not a byte more
+    plan, _ = pm.choose(NUMELS_7B, H200, free_gpu_bytes=two, max_threads=16, staging_slots=3)
+    assert RESIDENT not in plan.lanes and plan.staging_slots == 2
+    plan, _ = pm.choose(NUMELS_7B, H200, free_gpu_bytes=two - 1, max_threads=16, staging_slots=3)
+    assert RESIDENT not in plan.lanes and plan.staging_slots == 1
+
+
+def test_memory_options_account_every_byte():
+    numels = (100, 100, 50)
+    opts = pm.memory_options(numels, 12 * 200 + 12 * 100 + 4 * 100, staging_slots=2, subgroup_numel=100)
+    assert opts == [(1, 2), (2, 1), (3, 0)]  # 3 resident: 12*250 + scratch 400 = 3400 <= 3800
+    assert pm.memory_options(numels, 0, 3, 100) == [(0, 0)]
+    assert pm.memory_options(numels, 1e9, 3, 100, resident=1) == [(1, 0), (1, 1), (1, 2), (1, 3)]
+    # fp32 gradients need no scratch
+    assert (3, 0) in pm.memory_options(numels, 12 * 250, 0, 100, grad_bytes=4)
+    assert (3, 0) not in pm.memory_options(numels, 12 * 250, 0, 100, grad_bytes=2)
+
+
+@pytest.mark.parametrize("share", [0, 1])
+def test_one_subgroup(share):
+    n = 10**8
+    p = pm.predict(plan_of((n,), share), H200)
+    if share:  # one subgroup through the pipeline: H2D, update, D2H one after the other
+        expect = 12 * n / H200.h2d_duplex_bw + n / H200.gpu_rate + 12 * n / H200.d2h_duplex_bw
+    else:
+        expect = n / 4.1e9 + 2 * n / H200.h2d_bw
+    assert p.total_s == pytest.approx(expect, rel=1e-9)
+    plan, pred = pm.choose((n,), H200, free_gpu_bytes=12 * n + 4 * n, max_threads=16)
+    assert plan.lanes == (RESIDENT,) and pred.total_s == pytest.approx(n / H200.gpu_rate)
+    plan, pred = pm.choose((n,), H200, free_gpu_bytes=12 * n + 4 * n - 1, max_threads=16)
+    assert plan.lanes in ((CPU,), (STAGED,)) and plan.staging_slots == len(plan.staged_order)
+
+
+def test_empty_and_cpu_only_calibrations():
+    assert pm.predict(plan_of((), 0), H200).bottleneck == "none"
+    cpu_only = pm.Calibration(cpu_threads=(1, 2), cpu_rate=(1e8, 2e8))
+    assert not cpu_only.has_gpu
+    plan, pred = pm.choose((1000, 1000), cpu_only, free_gpu_bytes=1e12, max_threads=2)
+    assert set(plan.lanes) == {CPU} and plan.cpu_threads == 2
+    assert pred.total_s == pytest.approx(2000 / 2e8)
+    with pytest.raises(ValueError, match="no GPU"):
+        pm.predict(plan_of((1000, 1000), 1), cpu_only)
+
+
+# -- monotonicity --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("calib", [H200, flat_contention()], ids=["h200", "flat"])
+@pytest.mark.parametrize("share", [0, F(1, 8), F(1, 2)])
+def test_more_threads_never_predicted_slower(calib, share):
+    # Where the calibrated rate rises and the copies do not slow down with more threads. (When the
+    # copies bound the step, a faster CPU only moves its uploads' H2D bytes earlier: the total
+    # stays flat up to the pipeline's fill and drain, ~1e-5.)
+    if share and calib is H200:
+        calib = with_(calib, h2d_bw_cpu=(36e9,) * 5)
+    totals = [pm.predict(plan_of(NUMELS_7B, share, threads=t), calib).total_s for t in range(1, 17)]
+    assert all(b <= a * (1 + 1e-4) for a, b in zip(totals, totals[1:])), totals
+
+
+def test_faster_links_and_more_slots_never_slower():
+    base = pm.predict(plan_of(NUMELS_7B, F(1, 2), slots=1), H200).total_s
+    more = [pm.predict(plan_of(NUMELS_7B, F(1, 2), slots=s), H200).total_s for s in (2, 3, 4)]
+    assert all(b <= a for a, b in zip([base] + more, more))
+    fast = with_(H200, h2d_bw_cpu=tuple(2 * x for x in H200.h2d_bw_cpu), h2d_duplex_bw=100e9)
+    assert pm.predict(plan_of(NUMELS_7B, F(1, 2)), fast).total_s < pm.predict(plan_of(NUMELS_7B, F(1, 2)), H200).total_s
+
+
+def test_pipeline_limits():
+    p = pm.pipeline([10] * 4, 1, 12.0, 12.0, 1.0)  # one slot: fully serial, 3 x 10 s per subgroup
+    assert p.span == pytest.approx(120) and (p.h2d, p.gpu, p.d2h) == (40, 40, 40)
+    p = pm.pipeline([10] * 4, 2, 12.0, 12.0, 1.0)  # two slots: H2D of j+2 waits for D2H of j
+    assert p.span == pytest.approx(70)
+    p = pm.pipeline([10] * 4, 3, 12.0, 12.0, 1.0)  # three: fill (2 stages) + 4 beats
+    assert p.span == pytest.approx(60)
+    p = pm.pipeline([10], 1, 12.0, 12.0, 1.0, gpu_start=15.0)  # resident updates go first
+    assert p.span == pytest.approx(15 + 10 + 10)
+
+
+def test_overlap_model():
+    # no contention: the lanes simply run side by side
+    assert pm.overlap(10, 1, 1, 4, 4) == (10, 4, 1.0)
+    assert pm.overlap(2, 1, 1, 4, 4) == (2, 4, 0.5)
+    # contention: 4 s of DMA at half CPU speed, then the CPU alone
+    t_cpu, t_dma, frac = pm.overlap(10, 1.0, 0.5, 4, 3)
+    assert (t_cpu, t_dma, frac) == (4 + (10 - 2) / 1.0, 4, 1.0)
+    # the CPU finishes first (4 s at 0.5): half the pipeline ran contended, the rest alone
+    assert pm.overlap(2, 1.0, 0.5, 8, 6) == (4, 4 + 0.5 * 6, 0.5)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_sub", [1, 2, 5, 13, 40])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("fraction", [0.0, 0.3])
+def test_build_plan_matches_make_plan_stride(n_sub, k, fraction):
+    layout = partition([[(100 * n_sub - 37, "torch.float32")]], 100)
+    ref = make_plan(layout, placement="interleaved", stride=k, gpu_fraction=fraction, cpu_threads=4,
+                    staging_slots=3)
+    got = pm.build_plan([s.numel for s in layout.subgroups], resident=len(ref.resident),
+                        staged_share=F(1, k), cpu_threads=4, staging_slots=3)
+    assert (got.lanes, got.cpu_order, got.staged_order, got.staging_slots) == \
+        (ref.lanes, ref.cpu_order, ref.staged_order, ref.staging_slots)
+    assert got.stride == (k if ref.staged_order else None)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 7])
+def test_gpu_major_shares_put_every_kth_on_the_cpu(k):
+    plan = plan_of((100,) * 30, 1 - F(1, k))
+    rest_order = list(reversed(range(30)))
+    assert [rest_order.index(i) % k for i in plan.cpu_order] == [0] * len(plan.cpu_order)
+    assert len(plan.cpu_order) == math.ceil(30 / k)
+    assert plan.share(STAGED) >= 0.5 and plan.stride == (2 if k == 2 else None)
+    assert len(pm.shares()) == 1 + 16 + 15 - 1  # 0, 1/k, 1 - 1/k (1/2 counted once)
+
+
+def test_h200_sanity():
+    """DESIGN.md §8: all-CPU ~4.1 G/s; every 2nd subgroup on the GPU pays; the PCIe bounds it."""
+    cpu = pm.predict(plan_of(NUMELS_7B, 0), H200)
+    assert N7B / cpu.total_s == pytest.approx(4.1e9, rel=0.01)
+    k2 = pm.predict(plan_of(NUMELS_7B, F(1, 2)), H200)
+    assert cpu.total_s / k2.total_s > 1.2
+    # a staged element costs 12 B each way: >= 4 G staged elements/s is impossible at 50 GB/s
+    assert plan_of(NUMELS_7B, F(1, 2)).numel(STAGED) / k2.staged_s < 50e9 / 12
+    plan, pred = pm.choose(NUMELS_7B, H200, free_gpu_bytes=3 * 12 * SG + 4 * SG, max_threads=16)
+    assert 0.3 <= plan.share(STAGED) <= 0.7 and pred.total_s <= k2.total_s
+    assert plan.cpu_threads == 16
+
+
+# -- online refinement ---------------------------------------------------------------------------
+
+def measured(plan, truth):
+    p = pm.predict(plan, truth)
+    return {"cpu": p.cpu_s, "h2d": p.h2d_s, "gpu": p.gpu_s, "d2h": p.d2h_s, "upload": p.upload_s,
+            "span": p.total_s}
+
+
+@pytest.mark.parametrize("load", [
+    dict(cpu=0.5),  # half the cores taken by a foreign job
+    dict(h2d=0.5),  # another process shares the PCIe link
+    dict(cpu=2.0),  # the profile was too pessimistic
+])
+def test_update_converges_under_foreign_load(load):
+    f_cpu, f_h2d = load.get("cpu", 1.0), load.get("h2d", 1.0)
+    truth = with_(H200, cpu_rate=tuple(f_cpu * x for x in H200.cpu_rate),
+                  cpu_rate_dma=tuple(f_cpu * x for x in H200.cpu_rate_dma),
+                  h2d_bw_cpu=tuple(f_h2d * x for x in H200.h2d_bw_cpu),
+                  h2d_duplex_bw=f_h2d * H200.h2d_duplex_bw, h2d_bw=f_h2d * H200.h2d_bw)
+    kw = dict(free_gpu_bytes=3 * 12 * SG + 4 * SG, max_threads=16)
+    belief = H200
+    plan, _ = pm.choose(NUMELS_7B, belief, **kw)
+    best = pm.choose(NUMELS_7B, truth, **kw)[1].total_s
+    for _ in range(6):
+        belief = pm.update(belief, plan, measured(plan, truth))
+        better = pm.replan(plan, belief, keep_memory=False, **kw)
+        if better is not None:
+            plan = better[0]
+    assert belief.source == "refined"
+    assert pm.predict(plan, belief).total_s == pytest.approx(pm.predict(plan, truth).total_s, rel=0.05)
+    assert pm.predict(plan, truth).total_s <= 1.05 * best
+
+
+def test_update_leaves_unused_lanes_alone():
+    plan = plan_of(NUMELS_7B, 0)
+    new = pm.update(H200, plan, {"cpu": 2 * pm.predict(plan, H200).cpu_s, "h2d": 1.0})
+    assert new.cpu_rate[-1] == pytest.approx(0.75 * H200.cpu_rate[-1])  # alpha 0.5 towards half
+    assert (new.gpu_rate, new.h2d_bw, new.d2h_duplex_bw) == (H200.gpu_rate, H200.h2d_bw, H200.d2h_duplex_bw)
+    assert pm.update(H200, plan, {}) is H200
+
+
+def test_replan_keeps_memory_and_needs_a_real_gain():
+    kw = dict(free_gpu_bytes=3 * 12 * SG + 4 * SG + 5 * 12 * SG, max_threads=16)
+    plan, _ = pm.choose(NUMELS_7B, H200, **kw)
+    assert pm.replan(plan, H200, **kw) is None
+    slow_cpu = with_(H200, cpu_rate=tuple(x / 4 for x in H200.cpu_rate),
+                     cpu_rate_dma=tuple(x / 4 for x in H200.cpu_rate_dma))
+    new, pred = pm.replan(plan, slow_cpu, **kw)
+    assert new.resident == plan.resident and new.staging_slots == plan.staging_slots
+    assert new.share(STAGED) > plan.share(STAGED)
+    assert pred.total_s * 1.05 < pm.predict(plan, slow_cpu).total_s
+
+
+# -- Calibration ---------------------------------------------------------------------------------
+
+def test_calibration_json_roundtrip_and_validation():
+    assert pm.Calibration.from_json(H200.to_json()) == H200
+    assert json.loads(H200.to_json())["cpu_threads"] == [1, 2, 4, 8, 16]
+    assert H200.key == "NVIDIA-H200__16-core-Xeon-DESIGN.md__torch2.11"
+    assert H200.cpu(12) == pytest.approx((2.65e9 + 4.1e9) / 2) and H200.cpu(64) == 4.1e9
+    with pytest.raises(ValueError):
+        pm.Calibration(cpu_threads=(2, 1), cpu_rate=(1.0, 2.0))
+    with pytest.raises(ValueError):
+        pm.Calibration(cpu_threads=(1, 2), cpu_rate=(1.0,))
+    with pytest.raises(ValueError):
+        with_(H200, gpu_rate=0.0)
+
+
+# -- the calibration tool on the CPU -------------------------------------------------------------
+
+TINY = calibrate.Sizes(cpu_numel=2**21, subgroup_numel=2**19, gpu_numel=2**20, copy_bytes=2**20,
+                       copies=2, min_s=0.02)
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """A private profile cache (not DOS_CACHE_DIR: the C++ kernels' build cache lives there too)."""
+    monkeypatch.setattr(calibrate, "cache_dir", lambda: tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+def test_calibrate_measures_the_cpu(cache, tmp_path, capsys):
+    c = calibrate.measure(TINY, threads=[1, 2], gpu=False, log=lambda *_: None)
+    assert c.cpu_threads == (1, 2) and min(c.cpu_rate) > 1e6 and not c.has_gpu
+    assert c.gpu_name is None and c.cpu_rate_dma is None and c.cpu_impl
+    assert calibrate.load_or_none() is None
+    if not torch.cuda.is_available():
+        assert calibrate.cache_path() == cache / f"{c.key}.json"
+    calibrate.save(c, calibrate.cache_path())
+    assert calibrate.load_or_none() == c
+    assert calibrate.main(["--cached", "--out", str(tmp_path / "c.json")]) == 0  # no measuring
+    assert pm.Calibration.from_json((tmp_path / "c.json").read_text()) == c
+    assert "CPU AdamW" in capsys.readouterr().out
+    plan, pred = pm.choose((2**20,) * 4, c, free_gpu_bytes=0, max_threads=2)
+    assert set(plan.lanes) == {CPU} and pred.total_s > 0
+
+
+def test_calibrate_cli_quick(cache, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(calibrate, "default_sizes", lambda quick=False: TINY)
+    assert calibrate.main(["--quick", "--threads", "1", "--out", str(tmp_path / "q.json")]) == 0
+    assert pm.Calibration.from_json((tmp_path / "q.json").read_text()).cpu_threads == (1,)
+    assert calibrate.load_or_none() is None  # a quick profile is never cached
+    assert "GPU AdamW" in capsys.readouterr().out
+
+
+def test_helpers():
+    assert calibrate.default_threads(16) == [1, 2, 4, 8, 12, 16]
+    assert calibrate.default_threads(2) == [1, 2]
+    assert calibrate.default_threads(6) == [1, 2, 4, 6]
+    spans = [(0.0, 1.0), (1.0, 3.0), (3.0, 4.0)]
+    assert calibrate.bandwidth(10, spans) == pytest.approx(30 / 4)
+    assert calibrate.bandwidth(10, spans, 0.5, 3.5) == pytest.approx(5)
+    assert calibrate.bandwidth(10, spans, 1.5, 2.0) is None
+
+
+class FakeEvent:
+    """A CUDA event stand-in on the host clock (CPU copies are synchronous)."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+class FakeStream:
+    def wait_event(self, event):
+        pass
+
+
+def test_calibrate_gpu_path_runs_with_a_fake_cuda(monkeypatch):
+    """The GPU half's bookkeeping (chains, windows, events, sizes) on the CPU: catches everything
+    but CUDA itself; `test_calibrate_measures_the_gpu` is the real run."""
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is here: the gpu-marked test runs instead")
+    monkeypatch.setattr(calibrate, "DEVICE", "cpu")
+    monkeypatch.setattr(calibrate, "PIN", False)
+    for name, value in dict(Event=FakeEvent, Stream=FakeStream, stream=lambda s: contextlib.nullcontext(),
+                            synchronize=lambda *a: None, _sleep=lambda cycles: None,
+                            mem_get_info=lambda *a: (2**33, 2**34), get_device_name=lambda *a: "FakeGPU",
+                            is_available=lambda: True).items():
+        monkeypatch.setattr(torch.cuda, name, value, raising=False)
+    c = calibrate.measure(TINY, threads=[1, 2], gpu=True, log=lambda *_: None)
+    assert c.has_gpu and c.gpu_name == "FakeGPU" and c.gpu_rate > 0
+    assert len(c.cpu_rate_dma) == len(c.h2d_bw_cpu) == len(c.d2h_bw_cpu) == 2
+    assert all(d <= a for d, a in zip(c.cpu_rate_dma, c.cpu_rate))
+    assert "GPU AdamW" in calibrate.table(c) and pm.Calibration.from_json(c.to_json()) == c
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_calibrate_measures_the_gpu():
+    c = calibrate.measure(calibrate.default_sizes(quick=True), threads=[1, 2], log=lambda *_: None)
+    assert c.has_gpu and c.gpu_name
+    assert c.gpu_rate > 1e9 and min(c.h2d_bw, c.d2h_bw, c.h2d_duplex_bw, c.d2h_duplex_bw) > 1e9
+    assert len(c.h2d_bw_cpu) == 2 and all(r <= a for r, a in zip(c.cpu_rate_dma, c.cpu_rate))
