@@ -11,7 +11,7 @@ from typing import Iterable, List, Optional
 
 import torch
 
-from . import adam, checkpoint
+from . import adam, checkpoint, perfmodel
 from .buffers import DeviceBuffers, HostArena, arena_blocks, preflight, thirds
 from .config import EngineConfig, validate_hparams
 from .grads import GradRouter
@@ -62,12 +62,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
         self.layout = partition([[(p.numel(), str(p.dtype)) for p in ps] for ps in trainable],
                                 cfg.subgroup_numel)
-        self.plan = make_plan(self.layout, placement=cfg.placement, stride=cfg.stride,
-                              gpu_fraction=cfg.gpu_fraction,
-                              cpu_threads=cfg.cpu_threads or default_threads(),
-                              staging_slots=cfg.staging_slots)
         self._params = {slot: trainable[slot.group][slot.index] for slot in self.layout.slots()}
         dtypes = [trainable[b.slots[0].group][b.slots[0].index].dtype for b in self.layout.buckets]
+        self.calibration = _calibration(device)
+        self.plan = self._make_plan(dtypes[0].itemsize)
         blocks, nbytes = arena_blocks(self.layout, self.plan.lanes, [d.itemsize for d in dtypes])
         preflight(nbytes, self.layout.n_params, cfg.host_memory_limit_gib)  # before any allocation
 
@@ -87,6 +85,25 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._ready = True
 
     # -- setup ---------------------------------------------------------------------------------
+    def _make_plan(self, itemsize: int):
+        """The plan the config asks for; with a calibration of this machine, stride="auto" is the
+        performance model's choice (share and threads, resident share as configured) and every
+        plan carries its predicted update-phase time."""
+        cfg, calib = self.config, self.calibration
+        plan = make_plan(self.layout, placement=cfg.placement, stride=cfg.stride,
+                         gpu_fraction=cfg.gpu_fraction, cpu_threads=cfg.cpu_threads or default_threads(),
+                         staging_slots=cfg.staging_slots)
+        if calib is None:
+            return plan
+        if cfg.placement == "interleaved" and cfg.stride == "auto":
+            plan, _ = perfmodel.choose(plan.numels, calib, free_gpu_bytes=float("inf"),
+                                       max_threads=cfg.cpu_threads or default_threads(),
+                                       staging_slots=cfg.staging_slots, resident=len(plan.resident),
+                                       grad_bytes=itemsize, param_bytes=itemsize)
+            return plan
+        pred = perfmodel.predict(plan, calib, grad_bytes=itemsize, param_bytes=itemsize)
+        return plan.replace(predicted_step_s=pred.total_s)
+
     def _adopt_params(self) -> None:
         """Move the parameters into the flat buffers and seed the fp32 master weights."""
         for slot, p in self._params.items():
@@ -180,6 +197,15 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._sync.synchronize()  # no copy may still touch the memory we unpin
         self._grads.remove()
         self._host.close()
+
+
+def _calibration(device: torch.device):
+    """This machine's cached calibration (`python -m dos calibrate`), for CUDA parameters."""
+    if device.type != "cuda" or os.environ.get("DOS_NO_CALIBRATION"):
+        return None
+    from .calibrate import load_or_none
+
+    return load_or_none()
 
 
 def _check_params(trainable: List[List[torch.Tensor]]) -> torch.device:

@@ -41,6 +41,9 @@ class Lanes:
         self.layout, self.plan, self.dev, self.host, self.grads = layout, plan, dev, host, grads
         self.sync, self.tl = sync, timeline
         self.written: List = [None] * len(layout.subgroups)  # event: host state written back (D2H)
+        # event: a staging slot's last occupant is back in host memory. Kept across steps: the
+        # first subgroups of a step reuse the slots that the last ones of the previous step used.
+        self.free: List = [None] * len(dev.slots)
         device = dev.params[0].device if dev.params else torch.device("cpu")
         self.step_t = [torch.zeros((), device=device) for _ in layout.buckets]
         self.scale_t = torch.ones((), device=device)
@@ -79,8 +82,7 @@ class Lanes:
                 self.tl.gpu_end(t, "compute", "gpu", s, self.layout.subgroups[s].numel)
 
     def _staged(self, hyper, scale_t) -> None:
-        sync, slots = self.sync, self.dev.slots
-        free = [None] * len(slots)  # event: the slot's last occupant is back in host memory
+        sync, slots, free = self.sync, self.dev.slots, self.free
         for j, s in enumerate(self.plan.staged_order):
             k, n = j % len(slots), self.layout.subgroups[s].numel
             slot, host = slots[k][: 3 * n], self.host.state[s]

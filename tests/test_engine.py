@@ -291,3 +291,20 @@ def test_host_memory_preflight_fails_before_allocating(monkeypatch):
     monkeypatch.setenv("DOS_HOST_MEMORY_GIB", "0.000001")
     # Resident state needs no host memory: the same limit passes with placement="gpu".
     dos.DeepOptimizerStates(make_model("transformer").parameters(), placement="gpu")
+
+
+def test_auto_plan_from_a_calibration_is_predicted_and_exact(monkeypatch):
+    """With a calibration, stride='auto' is the performance model's plan and every plan records
+    its predicted update time; the result still equals the oracle."""
+    import dos.engine
+    from dos.perfmodel import DESIGN_H200
+
+    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
+                          cpu_threads=16)
+    assert opt.plan.predicted_step_s is not None and 0 < opt.plan.share("staged") < 1
+    train("transformer", a, opt, 10)
+    train("transformer", b, ref, 10)
+    assert max_diff(a, b) <= 1e-5
+    fixed = dos.DeepOptimizerStates(make_model("odd").parameters(), placement="cpu")
+    assert fixed.plan.predicted_step_s is not None

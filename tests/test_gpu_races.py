@@ -84,7 +84,7 @@ def test_no_race_with_random_delays(settings):
 @pytest.mark.parametrize("name", list(CASES))
 def test_dropping_any_handoff_breaks_the_result(name):
     errs = [run(CASES[name], skip={name}, delay=20_000_000, seed=seed) for seed in range(3)]
-    assert max(errs) > 1e-4, f"dropping {name} went unnoticed: errors {errs}"
+    assert any(not e <= 1e-4 for e in errs), f"dropping {name} went unnoticed: errors {errs}"  # NaN counts
 
 
 def test_host_arena_is_pinned_and_exact():

@@ -1,0 +1,5 @@
+import sys
+
+from dos.cli import main
+
+sys.exit(main())

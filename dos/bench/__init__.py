@@ -1,0 +1,1 @@
+"""Benchmark harness: models, systems, one timing protocol, records (see DESIGN.md §5)."""

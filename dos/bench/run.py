@@ -1,0 +1,230 @@
+"""One run, in its own process: `python -m dos.bench.run SPEC.json RUN_DIR`.
+
+Builds the model and the system, runs the timing protocol with the sampler on, and writes into
+RUN_DIR: `result.json` (the row's measured fields; written last, atomically), `steps.csv` (per-step
+phase times and loss), `markers.csv` (every phase, init included, on the sampler's clock),
+`samples.csv` (NVML + host RSS trace) and `lanes.json` (dos per-subgroup lane timeline). A failure
+still writes `result.json` with status `oom` or `error`, and whatever trace was gathered until then.
+The sweep parent (dos.sweep) turns it into a row; users call `python -m dos bench` instead.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import sys
+import traceback
+from pathlib import Path
+
+_GIB = 2**30
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _write_csv(path: Path, header, rows) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    msg = str(exc).lower()
+    return any(s in msg for s in ("out of memory", "can't allocate memory", "cannot allocate memory"))
+
+
+def resolve_device(spec):
+    import torch
+
+    kind = spec.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        from dos.bench.systems import SkipRun
+
+        raise SkipRun("no CUDA device on this machine")
+    return torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+
+
+def _gpu_facts(device, spec) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {"gpu_name": None}
+    props = torch.cuda.get_device_properties(device)
+    if spec.gpu_mem_cap_gib:
+        frac = min(1.0, spec.gpu_mem_cap_gib * _GIB / props.total_memory)
+        torch.cuda.set_per_process_memory_fraction(frac, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"gpu_name": props.name, "gpu_mem_total_gib": props.total_memory / _GIB}
+
+
+def _peaks(device, sampler_summary) -> dict:
+    import torch
+
+    out = {"peak_gpu_gib": None, "peak_gpu_reserved_gib": None}
+    if device is not None and device.type == "cuda":
+        out["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
+        out["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved(device) / _GIB
+    self_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB  # KiB on Linux
+    out["peak_host_gib"] = max(self_peak, sampler_summary.get("peak_host_sampled_gib") or 0.0)
+    out["peak_gpu_nvml_gib"] = sampler_summary.get("peak_gpu_nvml_gib")
+    return out
+
+
+def execute(spec, run_dir: Path) -> dict:
+    """Run `spec`; return the result dict (never raises for a failure of the run itself)."""
+    return _Run(spec, run_dir).execute()
+
+
+class _Run:
+    """The state of one run, so that a failure at any point still records what was gathered."""
+
+    def __init__(self, spec, run_dir: Path):
+        from dos.bench.timing import Clock
+
+        self.spec, self.run_dir, self.clock = spec, run_dir, Clock()
+        self.res = {"status": "ok", "error": None, "files": {}}
+        self.sampler = self.system = self.device = None
+        self.times, self.lanes = [], []
+
+    def execute(self) -> dict:
+        try:
+            self._setup()
+            self._train()
+        except BaseException as e:  # every failure becomes a row; KeyboardInterrupt too
+            from dos.bench.systems import SkipRun
+
+            status = "skipped" if isinstance(e, SkipRun) else "oom" if is_oom(e) else "error"
+            self.res.update(status=status, error=f"{type(e).__name__}: {e}"[:2000])
+            traceback.print_exc()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+        finally:
+            self._finish()
+        return self.res
+
+    def _setup(self) -> None:
+        import torch
+
+        from dos.bench import systems
+        from dos.nvml import Sampler
+
+        spec, res = self.spec, self.res
+        self.device = device = resolve_device(spec)
+        res["device"] = device.type
+        systems.prepare_env(spec, device, int(os.environ.get("MASTER_PORT", "0")) or None)
+        res.update(_gpu_facts(device, spec))
+        gpu = {}
+        if device.type == "cuda":  # NVML numbers GPUs ignoring CUDA_VISIBLE_DEVICES: match by UUID
+            uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+            gpu = {"gpu_index": torch.cuda.current_device(),
+                   "gpu_uuid": (uuid if uuid.startswith("GPU-") else "GPU-" + uuid) if uuid else None}
+        self.sampler = Sampler(self.clock.t0, hz=spec.nvml_hz, **gpu)
+        if device.type != "cuda":
+            self.sampler.nvml_status = f"absent: device is {device.type}"
+        self.sampler.start()
+
+    def _train(self) -> None:
+        import torch
+
+        from dos.bench import models, systems, timing
+
+        spec, res, clock, device = self.spec, self.res, self.clock, self.device
+        torch.manual_seed(spec.seed)
+        p = models.preset(spec.model, spec.model_overrides)
+        with clock.phase("import"):
+            from transformers import LlamaForCausalLM  # noqa: F401  (heavy; kept out of init_model)
+        with clock.phase("init_model"):
+            dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
+            model = models.build_model(p, device, spec.seq_len, dtype, spec.checkpointing)
+        res["n_params"] = sum(t.numel() for t in model.parameters())
+        res["model_record"] = models.model_record(p)
+        with clock.phase("init_system"):
+            self.system = system = systems.build(spec, model, device)
+        res.update(system.describe())
+        res["init_s"] = sum(e - s for _, _, s, e in clock.markers)  # only init phases so far
+        data, res["data_record"] = models.batches(spec.data, spec.warmup + spec.steps, spec.micro_batch,
+                                                  spec.seq_len, p.vocab, spec.seed)
+
+        def after_step(i):
+            if i >= spec.warmup:
+                self.lanes.append({"step": i, "events": system.timeline()})
+
+        self.times = timing.run_steps(system, data, spec.warmup, spec.steps, device, clock, after_step)
+        res.update(timing.summarize(self.times, spec.micro_batch * spec.seq_len * spec.gpus))
+        res.update(system.describe())  # plans may be refined online
+
+    def _finish(self) -> None:
+        """Stop the sampler, take the peaks, write the artifacts: each step on its own, so that a
+        broken CUDA context or a full disk loses only its own part of the record."""
+        res, summary = self.res, {}
+        train_start = next((a for name, _, a, _ in self.clock.markers if name == "fwd"), 0.0)
+        for part in (lambda: self._stop_sampler(summary, train_start),
+                     lambda: res.update(_peaks(self.device, summary)),
+                     lambda: _write_artifacts(self.run_dir, self.clock, self.times, self.lanes, res),
+                     lambda: self.system is not None and self.system.close()):
+            try:
+                part()
+            except Exception:
+                traceback.print_exc()
+        res.update(nvml=summary.get("nvml"), sample_hz=summary.get("sample_hz"), sampler=summary)
+        res["wall_s"] = self.clock.now()
+
+    def _stop_sampler(self, summary: dict, train_start: float) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            summary.update(self.sampler.summary(host_since=train_start))
+            self.sampler.write(self.run_dir / "samples.csv")
+            self.res["files"]["samples_file"] = "samples.csv"
+
+
+def _write_artifacts(run_dir: Path, clock, times, lanes, res) -> None:
+    from dos.bench.timing import step_rows
+
+    _write_csv(run_dir / "markers.csv", ("phase", "step", "start_s", "end_s"),
+               [(n, "" if s is None else s, f"{a:.6f}", f"{b:.6f}") for n, s, a, b in clock.markers])
+    res["files"]["markers_file"] = "markers.csv"
+    if times:
+        rows = step_rows(times)
+        _write_csv(run_dir / "steps.csv", list(rows[0]), [list(r.values()) for r in rows])
+        res["files"]["steps_file"] = "steps.csv"
+    if any(x["events"] for x in lanes):
+        # the engine's times are relative to the start of opt.step(): the "step" phase's start
+        starts = {t.step: t.start_s + t.fwd_s + t.bwd_s for t in times}
+        for x in lanes:
+            x["step_phase_start_s"] = starts.get(x["step"])
+        (run_dir / "lanes.json").write_text(json.dumps(lanes, separators=(",", ":"), default=str))
+        res["files"]["lanes_file"] = "lanes.json"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m dos.bench.run SPEC.json RUN_DIR", file=sys.stderr)
+        return 2
+    from dos.bench.spec import RunSpec
+
+    spec = RunSpec.from_dict(json.loads(Path(argv[0]).read_text()))
+    run_dir = Path(argv[1])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    res = execute(spec, run_dir)
+    _write_json(run_dir / "result.json", res)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: DeepSpeed / CUDA atexit hooks can hang or crash after a failure,
+    # and the result is already on disk.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

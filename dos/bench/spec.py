@@ -1,0 +1,238 @@
+"""One benchmark run, as data: a frozen, validated `RunSpec` and its stable `run_id`.
+
+Light on imports on purpose: the sweep parent validates whole grids before anything heavy loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Optional, Union
+
+SYSTEMS = {
+    "dos": "Deep Optimizer States (this package): placement cpu | static | interleaved | gpu",
+    "torch-gpu": "no offload: bf16 model, fp32 master weights, torch fused AdamW on the GPU",
+    "torch-cpu": "the torch-gpu baseline on the CPU device (CI stand-in; no offload exists there)",
+    "deepspeed-zero3": "DeepSpeed ZeRO-3 without offload (DESIGN.md §8's 'no offload' column)",
+    "deepspeed-zero-offload": "DeepSpeed ZeRO-3, optimizer offloaded to the CPU (ratio 1.0)",
+    "deepspeed-twinflow": "DeepSpeed ZeRO-3 partial offload: `ratio` of the optimizer on the CPU",
+    "deepspeed-superoffload": "DeepSpeed ZeRO-3 with offload_optimizer.super_offload",
+    "torchao-cpu-offload": "torchao.optim.CPUOffloadOptimizer around torch AdamW",
+}
+CUDA_ONLY = {"torch-gpu", "deepspeed-superoffload", "torchao-cpu-offload"}
+PLACEMENTS = ("cpu", "static", "interleaved", "gpu")
+DATA = ("synthetic", "stdlib")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class ConfigError(ValueError):
+    """A run or sweep that cannot be: raised before anything runs, with what to change."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything that defines one run. Fields left None take the system's meaning of 'not used'."""
+
+    system: str
+    """One of `SYSTEMS`."""
+    model: str = "tiny"
+    """Preset name (dos.bench.models.PRESETS)."""
+    model_overrides: Optional[dict] = None
+    """Preset fields to change, e.g. {"vocab": 256} for the stdlib corpus on a large shape."""
+    device: str = "auto"
+    """"cuda", "cpu" or "auto" (cuda when available)."""
+    seq_len: int = 2048
+    micro_batch: int = 1
+    gpus: int = 1
+    """GPUs (one process each); only 1 for now."""
+    dtype: str = "bf16"
+    """Model parameter dtype: "bf16" (mixed precision, fp32 optimizer state) or "fp32"."""
+    placement: Optional[str] = None
+    """dos only: cpu | static | interleaved | gpu."""
+    stride: Optional[Union[int, str]] = None
+    """dos interleaved only: update stride k >= 1 or "auto" (default)."""
+    gpu_fraction: Optional[float] = None
+    """dos static/interleaved: share of the optimizer state resident on the GPU."""
+    ratio: Optional[float] = None
+    """DeepSpeed: share of the optimizer state on the CPU (TwinFlow's knob; 1.0 = full offload)."""
+    subgroup_numel: Optional[int] = None
+    """dos: elements per subgroup (None: the engine chooses)."""
+    cpu_threads: Optional[int] = None
+    """dos: CPU-lane threads (None: the engine chooses)."""
+    staging_slots: Optional[int] = None
+    """dos: GPU staging slots (None: the engine's default)."""
+    sub_group_size: Optional[int] = None
+    """DeepSpeed ZeRO-3 sub_group_size (None: 1e8, as in DESIGN.md §8)."""
+    max_grad_norm: Optional[float] = None
+    """Global gradient clipping (None: none) for every system that supports it."""
+    gpu_mem_cap_gib: Optional[float] = None
+    """Emulate a smaller GPU: torch.cuda.set_per_process_memory_fraction(cap / total)."""
+    warmup: int = 2
+    steps: int = 5
+    """Measured steps after the warm-up; the row holds their medians."""
+    data: str = "synthetic"
+    """"synthetic" tokens (throughput) or the "stdlib" byte corpus (convergence; vocab 256)."""
+    seed: int = 0
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    checkpointing: bool = True
+    """Activation checkpointing of every decoder layer."""
+    trace: bool = True
+    """dos: record the per-subgroup lane timeline (adds one synchronization per step)."""
+    nvml_hz: float = 100.0
+    """Sampling rate of the NVML / host-memory sampler."""
+
+    def __post_init__(self):
+        _validate(self)
+        defaults = {}
+        if self.system == "dos":
+            defaults = {"gpu_fraction": 0.0, "stride": "auto" if self.placement == "interleaved" else None}
+        elif self.system in ("deepspeed-zero-offload", "deepspeed-superoffload"):
+            defaults = {"ratio": 1.0}
+        if self.system.startswith("deepspeed"):
+            defaults["sub_group_size"] = 100_000_000
+        for k, v in defaults.items():
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, v)
+
+    # ------------------------------------------------------------ identity
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def run_id(self) -> str:
+        """Stable hash of the configuration: None fields are dropped, so adding an optional field
+        later leaves old ids (and so the resume of old sweeps) unchanged."""
+        d = {k: v for k, v in self.to_dict().items() if v is not None}
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+    def label(self) -> str:
+        parts = [self.system]
+        if self.placement:
+            parts.append(self.placement)
+        if self.stride is not None:
+            parts.append(f"k={self.stride}")
+        if self.gpu_fraction:
+            parts.append(f"f={self.gpu_fraction}")
+        if self.system == "deepspeed-twinflow":
+            parts.append(f"r={self.ratio}")
+        parts += [self.model, f"s{self.seq_len}", f"mb{self.micro_batch}"]
+        if self.gpu_mem_cap_gib:
+            parts.append(f"cap{self.gpu_mem_cap_gib:g}G")
+        return " ".join(parts)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown run key(s) {unknown}; known keys: {sorted(known)}")
+        if "system" not in d:
+            raise ConfigError("a run needs a 'system' (one of: " + ", ".join(SYSTEMS) + ")")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _check_type(name, value, types, what):
+    if value is not None and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def _validate(s: RunSpec) -> None:
+    if s.system not in SYSTEMS:
+        raise ConfigError(f"unknown system {s.system!r}; known systems: {', '.join(SYSTEMS)}")
+    for name in ("seq_len", "micro_batch", "gpus", "steps"):
+        v = getattr(s, name)
+        _check_type(name, v, (int,), "an int >= 1")
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    _check_type("warmup", s.warmup, (int,), "an int >= 0")
+    if s.warmup < 0:
+        raise ConfigError(f"warmup must be >= 0, got {s.warmup}")
+    if not isinstance(s.model, str):
+        raise ConfigError(f"model must be a preset name, got {s.model!r}")
+    from dos.bench.models import PRESETS, preset  # pure-Python dataclasses, no model code
+    if s.model not in PRESETS:
+        raise ConfigError(f"unknown model preset {s.model!r}; known: {', '.join(PRESETS)}")
+    try:
+        preset(s.model, s.model_overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    if s.device not in DEVICES:
+        raise ConfigError(f"device must be one of {DEVICES}, got {s.device!r}")
+    if s.dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"dtype must be 'bf16' or 'fp32', got {s.dtype!r}")
+    if s.data not in DATA:
+        raise ConfigError(f"data must be one of {DATA}, got {s.data!r}")
+    if s.data == "stdlib" and preset(s.model, s.model_overrides).vocab < 256:
+        raise ConfigError("data 'stdlib' is bytes: it needs a vocabulary of at least 256")
+    if s.gpus != 1:
+        raise ConfigError(f"gpus={s.gpus}: only one GPU per run is supported so far")
+    _validate_system(s)
+    if s.device == "cpu" and s.system in CUDA_ONLY:
+        raise ConfigError(f"impossible configuration: {s.system} needs a CUDA GPU but device is 'cpu'"
+                          + (" (use torch-cpu for the no-offload baseline on the CPU)"
+                             if s.system == "torch-gpu" else ""))
+    if s.device == "cuda" and s.system == "torch-cpu":
+        raise ConfigError("impossible configuration: torch-cpu runs on the CPU device; use torch-gpu")
+    _check_type("gpu_mem_cap_gib", s.gpu_mem_cap_gib, (int, float), "a number of GiB > 0")
+    if s.gpu_mem_cap_gib is not None and (s.gpu_mem_cap_gib <= 0 or s.device == "cpu"):
+        raise ConfigError(f"gpu_mem_cap_gib={s.gpu_mem_cap_gib} needs a GPU and a value > 0")
+    _check_type("max_grad_norm", s.max_grad_norm, (int, float), "a number > 0")
+    if s.max_grad_norm is not None and s.max_grad_norm <= 0:
+        raise ConfigError(f"max_grad_norm must be > 0, got {s.max_grad_norm}")
+    _check_type("lr", s.lr, (int, float), "a number >= 0")
+    _check_type("nvml_hz", s.nvml_hz, (int, float), "a rate in Hz")
+    if not 1 <= s.nvml_hz <= 1000:
+        raise ConfigError(f"nvml_hz must be in [1, 1000], got {s.nvml_hz}")
+
+
+def _only(s: RunSpec, names, who: str):
+    for n in names:
+        if getattr(s, n) is not None:
+            raise ConfigError(f"{n} does not apply to {who} (system {s.system!r}); remove it")
+
+
+def _validate_system(s: RunSpec) -> None:
+    dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots")
+    if s.system == "dos":
+        _only(s, ("ratio", "sub_group_size"), "dos")
+        if s.placement not in PLACEMENTS:
+            raise ConfigError(f"dos needs placement in {PLACEMENTS}, got {s.placement!r}")
+        if s.stride is not None:
+            if s.placement != "interleaved":
+                raise ConfigError(f"impossible configuration: stride applies to placement "
+                                  f"'interleaved' only, not {s.placement!r}")
+            if s.stride != "auto" and (not isinstance(s.stride, int) or isinstance(s.stride, bool)
+                                       or s.stride < 1):
+                raise ConfigError(f"stride must be an int >= 1 or 'auto', got {s.stride!r}")
+        f = s.gpu_fraction
+        _check_type("gpu_fraction", f, (int, float), "a number in [0, 1]")
+        if f is not None and not 0 <= f <= 1:
+            raise ConfigError(f"gpu_fraction must be in [0, 1], got {f}")
+        if f and s.placement in ("cpu", "gpu"):
+            raise ConfigError(f"impossible configuration: placement {s.placement!r} takes no "
+                              f"gpu_fraction (got {f}); use placement 'static' for a resident share")
+        for n in ("subgroup_numel", "cpu_threads", "staging_slots"):
+            _check_type(n, getattr(s, n), (int,), "an int >= 1")
+            if getattr(s, n) is not None and getattr(s, n) < 1:
+                raise ConfigError(f"{n} must be >= 1, got {getattr(s, n)}")
+        return
+    _only(s, dos_keys, "dos only")
+    if s.system.startswith("deepspeed"):
+        _check_type("ratio", s.ratio, (int, float), "a number in (0, 1]")
+        _check_type("sub_group_size", s.sub_group_size, (int,), "an int >= 1")
+        if s.system == "deepspeed-twinflow":
+            if s.ratio is None or not 0 < s.ratio < 1:
+                raise ConfigError(f"deepspeed-twinflow needs a ratio in (0, 1) (share offloaded to the "
+                                  f"CPU), got {s.ratio!r}; ratio 1.0 is deepspeed-zero-offload")
+        elif s.system == "deepspeed-zero3":
+            _only(s, ("ratio",), "DeepSpeed without offload")
+        elif s.ratio not in (None, 1, 1.0):
+            raise ConfigError(f"{s.system} offloads everything (ratio 1.0), got ratio {s.ratio}; "
+                              "use deepspeed-twinflow for a partial offload")
+    else:
+        _only(s, ("ratio", "sub_group_size"), "DeepSpeed only")

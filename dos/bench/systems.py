@@ -1,0 +1,232 @@
+"""Every system behind one interface, so one timing protocol measures them all alike.
+
+`build(spec, model, device)` returns an object with `forward(batch) -> loss`, `backward(loss)`,
+`step()` (optimizer step and zero_grad), `describe() -> dict` (row fields: placement, ratio, plan,
+config, cpu_impl, host_bytes_per_param, predicted_step_s), `timeline() -> list` (dos lane events of
+the last step) and `close()`. The model is already on `device` in its training dtype.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from dos.bench.spec import RunSpec
+
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+class SkipRun(Exception):
+    """The system cannot run on this machine (not installed, no GPU): recorded as `skipped`."""
+
+
+class _Base:
+    def __init__(self, spec: RunSpec, model):
+        self.spec, self.model = spec, model
+
+    def forward(self, batch):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def backward(self, loss):
+        loss.backward()
+
+    def describe(self) -> dict:
+        return {}
+
+    def timeline(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class TorchAdamW(_Base):
+    """No offload: fp32 master weights and moments on the model's device, torch fused AdamW.
+
+    bf16 parameters get fp32 masters (and an fp32 gradient buffer: 20 B/param in all), the same
+    mixed-precision contract as every other system here. # NOTE: torch has no master-weight AdamW,
+    so the bf16 gradients are widened with one foreach copy before the fused kernel.
+    """
+
+    def __init__(self, spec, model):
+        super().__init__(spec, model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        if self.mixed:
+            self.masters = [p.detach().float().requires_grad_(True) for p in self.params]
+            for m in self.masters:
+                m.grad = torch.zeros_like(m)
+        else:
+            self.masters = self.params
+        self.opt = torch.optim.AdamW(self.masters, lr=spec.lr, betas=BETAS, eps=EPS,
+                                     weight_decay=spec.weight_decay, fused=True)
+
+    def step(self):
+        if self.spec.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm)
+        if self.mixed:
+            torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.params])
+        self.opt.step()
+        if self.mixed:
+            torch._foreach_copy_([p.data for p in self.params], self.masters)
+        self.model.zero_grad(set_to_none=True)
+
+    def describe(self):
+        return {"cpu_impl": None, "config": {"optimizer": "torch.optim.AdamW(fused=True)",
+                                             "fp32_master": self.mixed}}
+
+
+class DosSystem(_Base):
+    """dos.DeepOptimizerStates with the spec's placement, stride, resident share and sizes."""
+
+    def __init__(self, spec, model):
+        super().__init__(spec, model)
+        try:
+            import dos
+            from dos import adam as dos_adam
+            engine_cls = dos.DeepOptimizerStates
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(f"dos engine not available: {type(e).__name__}: {e}") from e
+        kw = {k: getattr(spec, k) for k in ("stride", "gpu_fraction", "subgroup_numel", "cpu_threads",
+                                            "staging_slots", "max_grad_norm")
+              if getattr(spec, k) is not None}
+        self.opt = engine_cls(model.parameters(), lr=spec.lr, betas=BETAS, eps=EPS,
+                              weight_decay=spec.weight_decay, placement=spec.placement,
+                              trace=spec.trace, **kw)
+        self._cpu_impl = dos_adam.cpu_impl()
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def describe(self):
+        plan = self.opt.plan.to_record()
+        return {"plan": plan, "config": {"engine": self.opt.config.to_record()},
+                "predicted_step_s": plan.get("predicted_step_s"), "cpu_impl": self._cpu_impl,
+                "host_bytes_per_param": self.opt.host_bytes_per_param}
+
+    def timeline(self):
+        return list(self.opt.timeline()) if self.spec.trace else []
+
+
+def deepspeed_config(spec: RunSpec) -> dict:
+    """DESIGN.md §8's settings: ZeRO-3, bf16, sub_group_size 1e8, DeepSpeed's AdamW, pinned offload."""
+    zero = {"stage": 3, "sub_group_size": spec.sub_group_size}
+    if spec.system != "deepspeed-zero3":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": float(spec.ratio)}
+        if spec.system == "deepspeed-superoffload":
+            zero["offload_optimizer"]["super_offload"] = True
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": spec.dtype == "bf16"},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(BETAS), "eps": EPS,
+                                                  "weight_decay": spec.weight_decay}},
+        "gradient_clipping": spec.max_grad_norm or 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedSystem(_Base):
+    """DeepSpeed ZeRO-3 on one process (env RANK/WORLD_SIZE/MASTER_* set by the run's parent)."""
+
+    def __init__(self, spec, model, device):
+        super().__init__(spec, model)
+        try:
+            import deepspeed
+        except ImportError as e:
+            raise SkipRun(f"deepspeed is not installed: {e}") from e
+        import logging
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                                   verbose=False)
+        self.ds_config = deepspeed_config(spec)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=self.ds_config)
+
+    def forward(self, batch):
+        return self.engine(input_ids=batch, labels=batch).loss
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+    def describe(self):
+        opt = getattr(self.engine, "optimizer", None)
+        # DeepSpeed's own split; on its CPU accelerator the "GPU" subgroups are named 'cpu' too
+        devices = getattr(opt, "subgroup_to_device", None) or {}
+        plan = {"n_subgroups": len(devices) or None,
+                "cpu_subgroups": sum(1 for d in devices.values() if d == "cpu") if devices else None}
+        inner = getattr(opt, "optimizer", None)
+        return {"ratio": self.spec.ratio, "plan": plan, "config": {"deepspeed": self.ds_config},
+                "cpu_impl": type(inner).__name__ if inner is not None else None}
+
+    def close(self):
+        so = getattr(getattr(self.engine, "optimizer", None), "superoffload_cpu_optimizer", None)
+        if so is not None and hasattr(so, "close"):
+            so.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+class TorchaoOffload(_Base):
+    """torchao's CPUOffloadOptimizer (pytorch/ao): states and the step on the CPU, per tensor.
+
+    # NOTE: it keeps the optimizer state in the parameters' dtype (bf16 here), not fp32 masters.
+    """
+
+    def __init__(self, spec, model):
+        super().__init__(spec, model)
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError as e:
+            raise SkipRun(f"torchao is not installed: {e}") from e
+        self.opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=False,
+                                       fused=True, lr=spec.lr, betas=BETAS, eps=EPS,
+                                       weight_decay=spec.weight_decay)
+
+    def step(self):
+        if self.spec.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def describe(self):
+        return {"cpu_impl": "torch.optim.AdamW(fused=True)", "config": {"optimizer": "torchao.CPUOffloadOptimizer"}}
+
+
+def build(spec: RunSpec, model, device: torch.device):
+    if spec.system in ("torch-gpu", "torch-cpu"):
+        return TorchAdamW(spec, model)
+    if spec.system == "dos":
+        return DosSystem(spec, model)
+    if spec.system.startswith("deepspeed"):
+        return DeepSpeedSystem(spec, model, device)
+    if spec.system == "torchao-cpu-offload":
+        return TorchaoOffload(spec, model)
+    raise ValueError(f"unknown system {spec.system!r}")
+
+
+def prepare_env(spec: RunSpec, device: torch.device, master_port: Optional[int] = None) -> None:
+    """Environment a system reads at import: DeepSpeed's accelerator, rank variables, arch list."""
+    if not spec.system.startswith("deepspeed"):
+        return
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif "TORCH_CUDA_ARCH_LIST" not in os.environ:  # FusedAdam's JIT build fails without it (§8)
+        major, minor = torch.cuda.get_device_capability(device)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(master_port or 29500))):
+        os.environ.setdefault(k, v)

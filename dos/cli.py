@@ -1,0 +1,110 @@
+"""`python -m dos calibrate | bench | sweep | figures`. Few flags: experiments live in yaml files."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+_BENCH_EPILOG = """\
+KEY=VALUE pairs are RunSpec fields (dos/bench/spec.py), values parsed as YAML, e.g.
+  python -m dos bench system=dos placement=interleaved stride=2 model=1.3B seq_len=2048
+  python -m dos bench system=deepspeed-twinflow ratio=0.5 model=tiny device=cpu steps=3
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dos", description="Deep Optimizer States tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="run one configuration in its own process and record its row",
+                       epilog=_BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
+    b.add_argument("--out", help="results directory (default experiments/results/bench)")
+    b.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed")
+    s = sub.add_parser("sweep", help="run a yaml grid of configurations, resumably")
+    s.add_argument("file", help="experiments/sweeps/NAME.yaml")
+    s.add_argument("--out", help="results directory (default experiments/results/<name>)")
+    s.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                   help="only the runs whose field KEY equals VALUE or one of a [list] (repeatable), "
+                        "e.g. model=3B or 'system=[dos, torch-gpu]'")
+    s.add_argument("--dry-run", action="store_true", help="list the runs and preflight decisions only")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for q in (b, s):
+        q.add_argument("--host-memory-gib", type=float, help="host memory the preflight may plan for")
+        q.add_argument("--pack", metavar="PATH.tar.gz", help="pack the results dir into one tar.gz (refreshed after every run)")
+    c = sub.add_parser("calibrate", help="measure this machine's rates (python -m dos calibrate -h)",
+                       add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("figures", help="regenerate the figures (not implemented yet)")
+    r = sub.add_parser("run", help="the main job: for now a demo sweep of every dos placement and "
+                                   "DeepSpeed on the tiny model (CPU), printed as a table")
+    r.add_argument("--out", default="experiments/results/demo", help="results directory")
+    return p
+
+
+def _pairs(pairs) -> dict:
+    from dos.bench.spec import ConfigError
+
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"expected KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v) if v.strip() else None
+    return out
+
+
+def _print_rows(csv_path: Path, run_ids) -> None:
+    from dos.bench.records import read_rows
+
+    cols = ("status", "system", "placement", "stride", "ratio", "model", "iter_s", "fwd_s", "bwd_s",
+            "step_s", "tokens_per_s", "peak_gpu_gib", "peak_host_gib", "error")
+    for r in read_rows(csv_path):
+        if r["run_id"] in run_ids:
+            print("  ".join(f"{c}={r[c]}" for c in cols if r.get(c)))
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "calibrate":
+        from dos import calibrate
+
+        return calibrate.main(args.rest)
+    if args.cmd == "figures":
+        print(f"{args.cmd}: not implemented yet", file=sys.stderr)
+        return 2
+    if args.cmd == "run":
+        return main(["sweep", "experiments/sweeps/smoke.yaml", "--out", args.out])
+    from dos import sweep as sw
+    from dos.bench.spec import ConfigError, RunSpec
+
+    try:
+        if args.cmd == "bench":
+            spec = RunSpec.from_dict(_pairs(args.pairs))
+            sweep = sw.Sweep("bench", [spec], timeout_s=args.timeout)
+            out = Path(args.out) if args.out else sw.default_out("bench")
+            progress = False
+        else:
+            sweep = sw.load(args.file)
+            sweep.runs = sw.select(sweep.runs, _pairs(args.where))
+            out = Path(args.out) if args.out else sw.default_out(sweep.name)
+            progress = not args.no_progress
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts = sw.run(sweep, out, pack=args.pack, dry_run=getattr(args, "dry_run", False),
+                    host_memory_gib=args.host_memory_gib, progress=progress)
+    if getattr(args, "dry_run", False):
+        return 0
+    summary = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
+    print(f"{sweep.name}: {summary} -> {out / 'runs.csv'}" + (f" (packed: {args.pack})" if args.pack else ""))
+    if args.cmd == "bench":
+        if counts.get("already"):
+            print("already recorded in this directory (use another --out to run it again):")
+        _print_rows(out / "runs.csv", {sweep.runs[0].run_id()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""Sweeps: a yaml grid -> isolated runs -> rows appended to runs.csv, resumable.
+
+A sweep file (experiments/sweeps/NAME.yaml):
+
+    name: smoke                 # results go to experiments/results/<name>/ unless --out
+    description: free text
+    defaults: {model: tiny, device: cpu, seq_len: 128, steps: 3}    # RunSpec fields
+    grid: {micro_batch: [1, 2]}   # optional: crossed with every entry of `runs`
+    runs:                         # entries over the defaults; a list value expands (cartesian)
+      - {system: dos, placement: [cpu, interleaved]}
+      - {system: deepspeed-zero-offload}
+    host_memory_gib: null         # host memory the preflight may plan for (default: available)
+    timeout_s: 900                # per run
+
+Every run is a child process (`python -m dos.bench.run`); the parent appends its row. Finished
+run_ids are skipped, so a killed sweep reruns only what was in flight. Runs that cannot fit in host
+memory, or cannot run on this machine, become `skipped` rows with the reason; crashes, timeouts and
+OOMs become rows too. Errors in the file itself stop everything before the first run.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import psutil
+import yaml
+
+from dos.bench import records
+from dos.bench.spec import CUDA_ONLY, ConfigError, RunSpec
+
+SWEEP_KEYS = {"name", "description", "defaults", "grid", "runs", "host_memory_gib", "timeout_s"}
+RESULTS = Path("experiments") / "results"
+_GIB = 2**30
+
+
+@dataclass
+class Sweep:
+    name: str
+    runs: List[RunSpec]
+    host_memory_gib: Optional[float] = None
+    timeout_s: float = 900.0
+    description: str = ""
+
+
+# ---------------------------------------------------------------- loading
+
+def load(path) -> Sweep:
+    """Parse and validate a sweep file; raise ConfigError naming the file and the problem."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such sweep file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return parse(doc, default_name=path.stem)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def parse(doc, default_name: str = "sweep") -> Sweep:
+    if not isinstance(doc, dict):
+        raise ConfigError(f"a sweep is a mapping with keys {sorted(SWEEP_KEYS)}, got {type(doc).__name__}")
+    unknown = set(doc) - SWEEP_KEYS
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(SWEEP_KEYS)}")
+    name = str(doc.get("name") or default_name)
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ConfigError(f"name {name!r} must be letters, digits, '-', '_' or '.'")
+    defaults, grid, runs = doc.get("defaults") or {}, doc.get("grid") or {}, doc.get("runs")
+    for key, val in (("defaults", defaults), ("grid", grid)):
+        if not isinstance(val, dict):
+            raise ConfigError(f"'{key}' must be a mapping, got {type(val).__name__}")
+    if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) for r in runs):
+        raise ConfigError("'runs' must be a non-empty list of mappings (each with a 'system')")
+    specs, seen = [], set()
+    for i, entry in enumerate(runs):
+        for spec in _expand_entry(defaults, grid, entry, i):
+            if spec.run_id() not in seen:
+                seen.add(spec.run_id())
+                specs.append(spec)
+    host = doc.get("host_memory_gib")
+    if host is not None and not (isinstance(host, (int, float)) and host > 0):
+        raise ConfigError(f"host_memory_gib must be a positive number, got {host!r}")
+    timeout = doc.get("timeout_s", 900)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ConfigError(f"timeout_s must be a positive number, got {timeout!r}")
+    return Sweep(name, specs, host, float(timeout), str(doc.get("description") or ""))
+
+
+def select(specs: List[RunSpec], where: dict) -> List[RunSpec]:
+    """The specs whose fields match every `where` value, or one of a list of values (compared as
+    strings: 3B == "3B")."""
+    for k in where:
+        if k not in RunSpec.__dataclass_fields__:
+            raise ConfigError(f"--where: unknown field {k!r}")
+    def ok(spec, k, v):
+        return str(getattr(spec, k)) in {str(x) for x in (v if isinstance(v, list) else [v])}
+
+    out = [s for s in specs if all(ok(s, k, v) for k, v in where.items())]
+    if not out:
+        raise ConfigError(f"--where {where} selects no run of this sweep")
+    return out
+
+
+def _expand_entry(defaults: dict, grid: dict, entry: dict, index: int) -> List[RunSpec]:
+    base = {**defaults, **{k: v for k, v in grid.items() if k not in entry}, **entry}
+    keys = list(base)
+    axes = [base[k] if isinstance(base[k], list) else [base[k]] for k in keys]
+    if any(len(a) == 0 for a in axes):
+        raise ConfigError(f"runs[{index}]: an empty list expands to no run")
+    out = []
+    for combo in itertools.product(*axes):
+        d = dict(zip(keys, combo))
+        try:
+            out.append(RunSpec.from_dict(d))
+        except ConfigError as e:
+            raise ConfigError(f"runs[{index}] ({_short(d)}): {e}") from None
+    return out
+
+
+def _short(d: dict) -> str:
+    return ", ".join(f"{k}={d[k]}" for k in ("system", "placement", "stride", "gpu_fraction", "ratio",
+                                             "model") if k in d)
+
+
+# ---------------------------------------------------------------- preflight
+
+def host_bytes_estimate(spec: RunSpec) -> tuple:
+    """(bytes of host memory the run needs, how it was estimated). Conservative, from §8's facts."""
+    from dos.bench.models import preset
+
+    n = preset(spec.model, spec.model_overrides).n_params()
+    s = spec.system
+    if s == "dos":
+        share = 0.0 if spec.placement == "gpu" else 1.0 - (spec.gpu_fraction or 0.0)
+        host_bpp = 14.0 * share  # fp32 master + 2 moments + bf16 gradient slot
+    elif s in ("deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload"):
+        host_bpp = 20.0 * spec.ratio  # DeepSpeed measured 19.6 B/param at 6.7B (DESIGN.md §1-2)
+    elif s == "torchao-cpu-offload":
+        host_bpp = 12.0
+    else:
+        host_bpp = 0.0
+    dev_bpp = 0.0
+    if spec.device == "cpu":  # the "device" memory is host memory too
+        dev_bpp = 4.0 + (16.0 if s == "torch-cpu" else 14.0 - host_bpp if s == "dos" else 12.0)
+    base = (1.5 if spec.device == "cpu" else 3.0) + (1.0 if s.startswith("deepspeed") else 0.0)
+    need = n * (host_bpp + dev_bpp) + base * _GIB
+    how = f"{host_bpp + dev_bpp:.0f} B/param x {n / 1e9:.2f}B params + {base:.1f} GiB base"
+    return need, how
+
+
+def available_host_gib(sweep: Sweep, override: Optional[float] = None) -> tuple:
+    """(GiB the preflight may plan for, where that number came from)."""
+    if override:
+        return float(override), "--host-memory-gib"
+    if os.environ.get("DOS_HOST_MEMORY_GIB"):
+        return float(os.environ["DOS_HOST_MEMORY_GIB"]), "DOS_HOST_MEMORY_GIB"
+    if sweep.host_memory_gib:
+        return float(sweep.host_memory_gib), "host_memory_gib in the sweep file"
+    return psutil.virtual_memory().available / _GIB, "available host memory"
+
+
+_CUDA = None
+
+
+def _cuda_available() -> bool:
+    global _CUDA
+    if _CUDA is None:
+        import torch
+
+        _CUDA = bool(torch.cuda.is_available())
+    return _CUDA
+
+
+def preflight(spec: RunSpec, host_gib: float, host_src: str) -> Optional[str]:
+    """Why `spec` cannot run here (a `skipped` row's reason), or None."""
+    needs_cuda = spec.device == "cuda" or (spec.device == "auto" and spec.system in CUDA_ONLY)
+    if needs_cuda and not _cuda_available():
+        return f"no CUDA device on this machine ({spec.system} on device {spec.device!r})"
+    module = ("deepspeed" if spec.system.startswith("deepspeed")
+              else "torchao" if spec.system == "torchao-cpu-offload" else None)
+    if module and importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
+    if spec.system in ("dos", "torch-gpu", "torch-cpu") or spec.system.startswith("deepspeed"):
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed"
+    need, how = host_bytes_estimate(spec)
+    if need > host_gib * _GIB:
+        return (f"host memory preflight: needs ~{need / _GIB:.1f} GiB ({how}) but {host_gib:.1f} GiB "
+                f"({host_src}) is available; set host_memory_gib / DOS_HOST_MEMORY_GIB if that is wrong")
+    return None
+
+
+# ---------------------------------------------------------------- one run
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
+    """Run `spec` in a fresh process; return its result dict (synthesized when it died)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(json.dumps(spec.to_dict(), indent=1))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port())}
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "dos.bench.run", str(run_dir / "spec.json"), str(run_dir)]
+    with open(run_dir / "log.txt", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_die_with_parent)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return {"status": "error", "error": f"timeout: run exceeded {timeout_s:.0f} s", "files": {}}
+        except BaseException:
+            _kill_group(proc)
+            raise
+    _kill_group(proc)  # leftovers of the run's process group (e.g. DeepSpeed worker processes)
+    _trim_log(run_dir / "log.txt")
+    result_path = run_dir / "result.json"
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    tail = _log_tail(run_dir / "log.txt")
+    if rc == -signal.SIGKILL:
+        return {"status": "oom", "error": f"killed by SIGKILL (host out of memory?); log: {tail}", "files": {}}
+    return {"status": "error", "error": f"exit code {rc} without a result; log: {tail}", "files": {}}
+
+
+def _log_tail(path: Path, n: int = 600) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _trim_log(path: Path, keep: int = 512 << 10) -> None:
+    """Keep logs compact: the first and last quarter-MiB of a long one."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return
+    if len(data) > 2 * keep:
+        path.write_bytes(data[:keep] + b"\n[... trimmed ...]\n" + data[-keep:])
+
+
+def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float) -> dict:
+    from dos.bench.models import preset
+
+    p = preset(spec.model, spec.model_overrides)
+    files = res.get("files") or {}
+    row = {c: res.get(c) for c in records.COLUMNS if c in res}
+    row.update(
+        run_id=spec.run_id(), sweep=sweep, timestamp=records.now_iso(), git_sha=records.git_sha(),
+        status=res["status"], error=res.get("error"), system=spec.system, placement=spec.placement,
+        stride=spec.stride, gpu_fraction=spec.gpu_fraction, ratio=res.get("ratio", spec.ratio),
+        model=spec.model, n_params=res.get("n_params") or p.n_params(), seq_len=spec.seq_len,
+        micro_batch=spec.micro_batch, gpus=spec.gpus, device=res.get("device") or spec.device,
+        gpu_mem_cap_gib=spec.gpu_mem_cap_gib, host_mem_gib=round(host_mem_gib, 2),
+        warmup=spec.warmup, steps=spec.steps, data=spec.data, dtype=spec.dtype,
+        plan=res.get("plan"),
+        config={"run": spec.to_dict(), "model": res.get("model_record"), "data": res.get("data_record"),
+                "system": res.get("config"), "sampler": res.get("sampler"),
+                "gpu_mem_total_gib": res.get("gpu_mem_total_gib")},
+    )
+    if res.get("status") != "skipped" or files:
+        row["log_file"] = f"{spec.run_id()}/log.txt"
+    for key, name in files.items():
+        row[key] = f"{spec.run_id()}/{name}"
+    return row
+
+
+# ---------------------------------------------------------------- a sweep
+
+def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False,
+        host_memory_gib: Optional[float] = None, progress: bool = True) -> dict:
+    """Run every missing run of `sweep` into `out_dir`; return counts by status."""
+    out_dir = Path(out_dir)
+    csv_path = out_dir / "runs.csv"
+    done = records.finished_run_ids(csv_path)
+    todo = [s for s in sweep.runs if s.run_id() not in done]
+    host_gib, host_src = available_host_gib(sweep, host_memory_gib)
+    total_host = psutil.virtual_memory().total / _GIB
+    counts = {"already": len(sweep.runs) - len(todo)}
+    if dry_run:
+        for s in todo:
+            why = preflight(s, host_gib, host_src)
+            print(f"{s.run_id()}  {s.label():<50} {'skip: ' + why if why else 'run'}")
+        return counts
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records.write_env(out_dir)
+    bar = _bar(len(sweep.runs), counts["already"], progress)
+    try:
+        for spec in todo:
+            bar.set_description(spec.label()[:60])
+            run_dir = out_dir / spec.run_id()
+            if run_dir.exists():  # leftovers of a run killed in flight: start it afresh
+                shutil.rmtree(run_dir)
+            why = preflight(spec, host_gib, host_src)
+            if why:
+                res = {"status": "skipped", "error": why, "files": {}}
+            else:
+                res = run_child(spec, run_dir, sweep.timeout_s)
+            records.append_row(csv_path, make_row(spec, sweep.name, res, total_host))
+            counts[res["status"]] = counts.get(res["status"], 0) + 1
+            bar.set_postfix_str(_postfix(res))
+            bar.update(1)
+            if pack:  # after every run: a sweep cut short by a time limit still returns its rows
+                pack_dir(out_dir, pack)
+    finally:
+        bar.close()
+    if pack:
+        pack_dir(out_dir, pack)
+    return counts
+
+
+def _postfix(res: dict) -> str:
+    if res["status"] == "ok":
+        return f"ok {res.get('iter_s', 0):.3f} s/iter"
+    return f"{res['status']}: {(res.get('error') or '')[:40]}"
+
+
+class _NoBar:
+    def set_description(self, *_):
+        pass
+
+    set_postfix_str = update = set_description
+
+    def close(self):
+        pass
+
+
+def _bar(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="run", file=sys.stderr, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+
+def pack_dir(out_dir, dest) -> Path:
+    """One tar.gz of a results directory (the device machine returns few, small files)."""
+    out_dir, dest = Path(out_dir), Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(out_dir, arcname=out_dir.name,
+                filter=lambda ti: None if ti.name.endswith((".lock", ".tmp")) else ti)
+    os.replace(tmp, dest)
+    return dest
+
+
+def default_out(name: str) -> Path:
+    return RESULTS / name
+

@@ -1,0 +1,300 @@
+"""Harness pieces on the CPU: presets, data, specs, records, timing, sampler, systems, preflight."""
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dos.bench import models, records, systems, timing
+from dos.bench.spec import ConfigError, RunSpec
+from dos.nvml import COLUMNS as SAMPLE_COLUMNS
+from dos.nvml import Sampler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- models and data
+
+@pytest.mark.parametrize("name,billions", [("1.3B", 1.35), ("3B", 3.37), ("7B", 6.74), ("13B", 13.0),
+                                           ("20B", 20.33), ("30B", 30.14)])
+def test_preset_sizes_match_design(name, billions):
+    assert models.PRESETS[name].n_params() / 1e9 == pytest.approx(billions, abs=0.02)
+
+
+def test_tiny_model_counts_and_trains_in_bf16():
+    p = models.preset("tiny")
+    m = models.build_model(p, torch.device("cpu"), seq_len=32)
+    assert sum(t.numel() for t in m.parameters()) == p.n_params()
+    assert {t.dtype for t in m.parameters()} == {torch.bfloat16}
+    assert m.training and m.config.tie_word_embeddings is False
+    x = models.synthetic_batches(1, 2, 32, p.vocab, seed=0)[0]
+    loss = m(input_ids=x, labels=x).loss
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5
+
+
+def test_preset_overrides_and_errors():
+    assert models.preset("1.3B", {"vocab": 256}).vocab == 256
+    with pytest.raises(ValueError, match="unknown model preset"):
+        models.preset("2B")
+    with pytest.raises(ValueError, match="unknown model override"):
+        models.preset("tiny", {"width": 3})
+
+
+def test_stdlib_corpus_is_deterministic_bytes():
+    blob = models.stdlib_corpus(max_bytes=1 << 20)
+    assert len(blob) == 1 << 20 and blob == models.stdlib_corpus(max_bytes=1 << 20)
+    a = models.corpus_batches(blob, 3, 2, 64, seed=1)
+    b = models.corpus_batches(blob, 3, 2, 64, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert a[0].shape == (2, 64) and a[0].dtype == torch.long and int(a[0].max()) < 256
+    assert b"def " in blob  # it is Python source
+
+
+# ---------------------------------------------------------------- specs
+
+def test_run_id_is_stable_and_discriminating():
+    a = RunSpec(system="dos", placement="interleaved", stride=2)
+    assert a.run_id() == RunSpec(system="dos", placement="interleaved", stride=2).run_id()
+    assert a.run_id() != RunSpec(system="dos", placement="interleaved", stride=3).run_id()
+    assert RunSpec(system="dos", placement="interleaved").stride == "auto"
+    assert RunSpec(system="deepspeed-zero-offload").ratio == 1.0
+    assert RunSpec(system="deepspeed-twinflow", ratio=0.5).sub_group_size == 100_000_000
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"system": "zero-infinity"}, "unknown system 'zero-infinity'; known systems: dos"),
+    ({"system": "dos"}, "dos needs placement"),
+    ({"system": "dos", "placement": "cpu", "stride": 2}, "impossible configuration: stride"),
+    ({"system": "dos", "placement": "cpu", "gpu_fraction": 0.5}, "impossible configuration"),
+    ({"system": "dos", "placement": "static", "gpu_fraction": 1.5}, "gpu_fraction must be in"),
+    ({"system": "deepspeed-twinflow"}, "needs a ratio in"),
+    ({"system": "deepspeed-zero-offload", "ratio": 0.5}, "use deepspeed-twinflow"),
+    ({"system": "torch-gpu", "device": "cpu"}, "impossible configuration: torch-gpu needs a CUDA"),
+    ({"system": "torch-cpu", "ratio": 0.5}, "ratio does not apply"),
+    ({"system": "dos", "placement": "gpu", "seq_len": 0}, "seq_len must be >= 1"),
+    ({"system": "dos", "placement": "gpu", "gpus": 2}, "only one GPU"),
+    ({"system": "dos", "placement": "gpu", "model": "2B"}, "unknown model preset"),
+    ({"system": "dos", "placement": "gpu", "colour": 1}, "unknown run key"),
+])
+def test_spec_errors_are_clear(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        RunSpec.from_dict(fields)
+
+
+# ---------------------------------------------------------------- records
+
+def test_append_row_header_torn_line_and_schema(tmp_path):
+    path = tmp_path / "runs.csv"
+    records.append_row(path, {"run_id": "a", "status": "ok", "plan": {"x": [1, 2]}, "error": "l1\nl2"})
+    with open(path, "ab") as f:  # a writer killed mid-line
+        f.write(b"b,swe")
+    assert [r["run_id"] for r in records.read_rows(path)] == ["a"]
+    records.append_row(path, {"run_id": "c", "status": "skipped", "error": 'has, "quotes"'})
+    rows = records.read_rows(path)
+    assert [r["run_id"] for r in rows] == ["a", "c"]
+    assert json.loads(rows[0]["plan"]) == {"x": [1, 2]} and rows[0]["error"] == "l1 | l2"
+    assert rows[1]["error"] == 'has, "quotes"'
+    assert path.read_text().count("\n") == 3 and list(rows[0]) == list(records.COLUMNS)
+    with pytest.raises(KeyError):
+        records.append_row(path, {"run_id": "d", "status": "ok", "colour": 1})
+    with pytest.raises(ValueError):
+        records.append_row(path, {"run_id": "d", "status": "fine"})
+
+
+def test_environment_has_provenance(tmp_path):
+    env = json.loads(records.write_env(tmp_path).read_text())
+    assert env["versions"]["torch"] and env["cpu"]["logical_cores"] >= 1
+    assert env["host_memory"]["total_gib"] > 0 and "nvml" in env["gpu"]
+
+
+# ---------------------------------------------------------------- timing and sampler
+
+class _Fake:
+    def __init__(self):
+        self.n = 0
+
+    def forward(self, batch):
+        time.sleep(0.002)
+        return torch.tensor(float(batch.sum()))
+
+    def backward(self, loss):
+        time.sleep(0.004)
+
+    def step(self):
+        self.n += 1
+        time.sleep(0.001 if self.n != 3 else 0.05)  # one slow step: medians ignore it
+
+
+def test_timing_protocol_medians_and_markers():
+    clock = timing.Clock()
+    batches = [torch.full((1, 4), float(i)) for i in range(3)]
+    times = timing.run_steps(_Fake(), batches, warmup=2, steps=5, device=torch.device("cpu"), clock=clock)
+    assert [t.measured for t in times] == [False] * 2 + [True] * 5
+    s = timing.summarize(times, tokens_per_step=4)
+    assert s["step_s"] < 0.02 and s["iter_s_max"] >= 0.05 > s["iter_s"]
+    assert s["bwd_s"] > s["fwd_s"] and s["tokens_per_s"] == pytest.approx(4 / s["iter_s"])
+    assert s["loss_first"] == 0.0 and s["loss_last"] == 0.0  # batch 6 % 3 == 0
+    phases = [(m[0], m[1]) for m in clock.markers]
+    assert phases[:3] == [("fwd", 0), ("bwd", 0), ("step", 0)] and len(phases) == 21
+    assert all(a <= b for _, _, a, b in clock.markers)
+
+
+def test_sampler_without_nvml_records_host_and_absent(tmp_path):
+    t0 = time.perf_counter()
+    s = Sampler(t0, hz=100, gpu_index=0)  # no NVML library / driver on CI machines
+    with s:
+        time.sleep(0.5)
+    summary = s.summary()
+    if summary["nvml"] == "ok":
+        pytest.skip("this machine has NVML")
+    assert summary["nvml"].startswith("absent")
+    assert summary["sample_hz"] > 50 and summary["peak_host_sampled_gib"] > 0
+    s.write(tmp_path / "samples.csv")
+    rows = list(csv.reader(open(tmp_path / "samples.csv")))
+    assert tuple(rows[0]) == SAMPLE_COLUMNS and len(rows) > 25 and rows[1][1] == ""
+
+
+# ---------------------------------------------------------------- systems
+
+def _train(spec, steps=3):
+    torch.manual_seed(0)
+    p = models.preset(spec.model)
+    model = models.build_model(p, torch.device("cpu"), spec.seq_len)
+    system = systems.build(spec, model, torch.device("cpu"))
+    data, _ = models.batches("stdlib", steps, spec.micro_batch, spec.seq_len, p.vocab, 0)
+    times = timing.run_steps(system, data, 0, steps, torch.device("cpu"), timing.Clock())
+    return system, [t.loss for t in times]
+
+
+def test_torch_baseline_keeps_fp32_masters():
+    spec = RunSpec(system="torch-cpu", device="cpu", seq_len=32, micro_batch=2, lr=1e-2)
+    system, losses = _train(spec)
+    assert system.mixed and all(m.dtype == torch.float32 for m in system.masters)
+    assert all(torch.equal(p.data, m.to(torch.bfloat16)) for p, m in zip(system.params, system.masters))
+    assert losses[-1] < losses[0]
+
+
+def test_dos_system_describes_plan_and_lanes():
+    pytest.importorskip("dos.engine")
+    spec = RunSpec(system="dos", placement="interleaved", stride=2, subgroup_numel=16384, device="cpu",
+                   seq_len=32, micro_batch=2, lr=1e-2)
+    system, losses = _train(spec)
+    d = system.describe()
+    assert d["plan"]["placement"] == "interleaved" and d["plan"]["n_subgroups"] > 1
+    assert 13 < d["host_bytes_per_param"] < 16 and d["cpu_impl"]
+    assert isinstance(system.timeline(), list)
+    assert losses[-1] < losses[0]
+
+
+def test_deepspeed_configs_follow_design():
+    zo = systems.deepspeed_config(RunSpec(system="deepspeed-zero-offload", micro_batch=2))
+    assert zo["zero_optimization"] == {"stage": 3, "sub_group_size": 100_000_000, "offload_optimizer": {
+        "device": "cpu", "pin_memory": True, "ratio": 1.0}}
+    assert zo["bf16"] == {"enabled": True} and zo["optimizer"]["type"] == "AdamW"
+    assert zo["train_micro_batch_size_per_gpu"] == 2
+    tf = systems.deepspeed_config(RunSpec(system="deepspeed-twinflow", ratio=0.5))
+    assert tf["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+    so = systems.deepspeed_config(RunSpec(system="deepspeed-superoffload"))
+    assert so["zero_optimization"]["offload_optimizer"]["super_offload"] is True
+    z3 = systems.deepspeed_config(RunSpec(system="deepspeed-zero3"))
+    assert "offload_optimizer" not in z3["zero_optimization"]
+
+
+def test_oom_classification():
+    from dos.bench.run import is_oom
+
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+
+
+# ---------------------------------------------------------------- CLI
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dos", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_cli_placeholders_and_bench_errors():
+    for cmd in ("calibrate", "figures"):
+        r = _cli(cmd)
+        assert r.returncode == 2 and "not implemented yet" in r.stderr
+    r = _cli("bench", "system=nope")
+    assert r.returncode == 2 and "unknown system 'nope'" in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_bench_one_run(tmp_path):
+    r = _cli("bench", "system=torch-cpu", "device=cpu", "seq_len=32", "micro_batch=2", "warmup=1",
+             "steps=2", "nvml_hz=20", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = records.read_rows(tmp_path / "runs.csv")
+    assert len(rows) == 1 and rows[0]["status"] == "ok" and float(rows[0]["iter_s"]) > 0
+    assert "status=ok" in r.stdout and (tmp_path / rows[0]["steps_file"]).exists()
+
+
+class _FakeNvml:
+    """Just enough of pynvml for the sampler's GPU path (no GPU on CI)."""
+
+    NVML_FI_DEV_PCIE_COUNT_TX_BYTES, NVML_FI_DEV_PCIE_COUNT_RX_BYTES = 188, 189
+    NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, counters: bool):
+        self.counters, self.t0, self.shut = counters, time.perf_counter(), False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        raise self.NVMLError("not found")
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("M", (), {"used": 3 << 30})()
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return type("U", (), {"gpu": 87, "memory": 12})()
+
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        if not self.counters:
+            return [type("F", (), {"nvmlReturn": 3})() for _ in ids]
+        n = int((time.perf_counter() - self.t0) * 1e9)  # 1 GB/s D2H, 2 GB/s H2D
+        vals = [n, 2 * n]
+        return [type("F", (), {"nvmlReturn": 0, "value": type("V", (), {"ullVal": v})()})() for v in vals]
+
+    def nvmlDeviceGetPcieThroughput(self, h, which):
+        time.sleep(0.02)
+        return 5000 if which == 0 else 7000  # KB/s
+
+
+@pytest.mark.parametrize("counters", [True, False])
+def test_sampler_gpu_path_with_fake_nvml(monkeypatch, tmp_path, counters):
+    fake = _FakeNvml(counters)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    s = Sampler(time.perf_counter(), hz=100, gpu_uuid="GPU-x")
+    with s:
+        time.sleep(0.4)
+    summary = s.summary()
+    assert summary["nvml"] == "ok" and fake.shut
+    assert summary["pcie_source"] == ("counters" if counters else "throughput-20ms")
+    assert summary["sample_hz"] > 50 and summary["peak_gpu_nvml_gib"] == 3.0
+    last = s.rows[-1]
+    assert last[2] == 87 and last[3] == 12
+    if counters:
+        assert last[4] == pytest.approx(1000, rel=0.2) and last[5] == pytest.approx(2000, rel=0.2)
+    else:
+        assert (last[4], last[5]) == (5.0, 7.0)
+    s.write(tmp_path / "s.csv")
+    assert len((tmp_path / "s.csv").read_text().splitlines()) == len(s.rows) + 1

@@ -1,0 +1,208 @@
+"""Sweeps end to end on the CPU: the smoke sweep, kill-and-resume, and clear errors."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import psutil
+import pytest
+
+from dos import sweep as sw
+from dos.bench import records
+from dos.bench.spec import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "sweeps", "smoke.yaml")
+QUICK = {"model": "tiny", "device": "cpu", "seq_len": 32, "micro_batch": 2, "warmup": 1, "steps": 2,
+         "nvml_hz": 20}
+
+
+def _sweep(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dos", "sweep", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=kw.pop("timeout", 1500), **kw)
+
+
+def _write(tmp_path, text, name="s.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# ---------------------------------------------------------------- the smoke sweep
+
+@pytest.mark.slow
+def test_smoke_sweep_yields_valid_rows(tmp_path):
+    out, pack = tmp_path / "smoke", tmp_path / "smoke.tar.gz"
+    r = _sweep(SMOKE, "--out", str(out), "--pack", str(pack))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = records.read_rows(out / "runs.csv")
+    expected = sw.load(SMOKE).runs
+    assert [row["run_id"] for row in rows] == [s.run_id() for s in expected]
+    for row in rows:
+        assert row["status"] == "ok", (row["system"], row["placement"], row["error"])
+        assert float(row["iter_s"]) > 0 and float(row["tokens_per_s"]) > 0
+        assert abs(float(row["fwd_s"]) + float(row["bwd_s"]) + float(row["step_s"])
+                   - float(row["iter_s"])) < 0.5 * float(row["iter_s"])
+        assert float(row["peak_host_gib"]) > 0 and int(row["n_params"]) == 133440
+        assert row["nvml"].startswith("absent") and row["device"] == "cpu"
+        for key in ("steps_file", "markers_file", "samples_file", "log_file"):
+            assert (out / row[key]).exists(), key
+    by = {(row["system"], row["placement"]): row for row in rows}
+    ds = by[("deepspeed-zero-offload", "")]
+    assert ds["cpu_impl"] == "DeepSpeedCPUAdam" and ds["ratio"] == "1.0"
+    assert '"offload_optimizer"' in ds["config"]
+    for placement in ("cpu", "static", "interleaved", "gpu"):
+        assert f'"placement":"{placement}"' in by[("dos", placement)]["plan"]
+    lanes = json.loads((out / by[("dos", "interleaved")]["lanes_file"]).read_text())
+    assert len(lanes) == 3 and all(x["events"] and x["step_phase_start_s"] > 0 for x in lanes)
+    assert {e["lane"] for x in lanes for e in x["events"]} >= {"cpu"}
+    assert (out / "env.json").exists()
+    with tarfile.open(pack) as tar:
+        names = tar.getnames()
+    assert "smoke/runs.csv" in names and "smoke/env.json" in names
+    # A second invocation finds everything done and appends nothing.
+    r = _sweep(SMOKE, "--out", str(out), "--no-progress")
+    assert r.returncode == 0 and len(records.read_rows(out / "runs.csv")) == len(rows)
+
+
+# ---------------------------------------------------------------- kill and resume
+
+def _children_of_dir(path: str):
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(path in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_lost_or_duplicated_rows(tmp_path):
+    runs = "\n".join(f"  - {{system: torch-cpu, seed: {i}}}" for i in range(4))
+    text = "name: killme\ndefaults: " + str(QUICK).replace("'", "") + "\nruns:\n" + runs + "\n"
+    path, out = _write(tmp_path, text), tmp_path / "out"
+    expected = [s.run_id() for s in sw.load(path).runs]
+    proc = subprocess.Popen([sys.executable, "-m", "dos", "sweep", path, "--out", str(out), "--no-progress"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # one row written and the next run in flight
+        done = records.read_rows(out / "runs.csv")
+        if len(done) == 4 or done and (out / expected[len(done)] / "spec.json").exists():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = records.read_rows(out / "runs.csv")
+    assert 1 <= len(before) < 4, "the sweep should have been killed mid-way"
+    for _ in range(100):  # the in-flight run dies with its parent (PR_SET_PDEATHSIG)
+        if not _children_of_dir(str(out)):
+            break
+        time.sleep(0.1)
+    assert not _children_of_dir(str(out))
+    r = _sweep(path, "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    after = records.read_rows(out / "runs.csv")
+    assert [row["run_id"] for row in after] == expected  # none lost, none duplicated, in order
+    assert after[: len(before)] == before  # old rows untouched
+    assert all(row["status"] == "ok" for row in after)
+    assert "already 4" in _sweep(path, "--out", str(out), "--no-progress").stdout
+
+
+# ---------------------------------------------------------------- clear errors
+
+@pytest.mark.parametrize("text,match", [
+    ("runs: [ {system: dos", "not valid YAML"),
+    ("- just\n- a list\n", "a sweep is a mapping"),
+    ("name: x\n", "'runs' must be a non-empty list"),
+    ("runs: [{system: dos, placement: cpu}]\nrepeats: 3\n", "unknown top-level key(s) ['repeats']"),
+    ("runs: [{system: dos, placement: cpu}]\ndefaults: [1]\n", "'defaults' must be a mapping"),
+    ("runs: [{placement: cpu}]\n", "a run needs a 'system'"),
+    ("runs: [{system: dos, placement: []}]\n", "an empty list expands to no run"),
+])
+def test_malformed_sweep_file(tmp_path, text, match):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=match.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        sw.load(path)
+
+
+def test_malformed_sweep_file_cli(tmp_path):
+    r = _sweep(_write(tmp_path, "runs: [ {system: dos"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and "Traceback" not in r.stderr
+    r = _sweep(str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "no such sweep file" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_system(tmp_path):
+    path = _write(tmp_path, "runs:\n  - {system: dos, placement: cpu}\n  - {system: zero-infinity}\n")
+    r = _sweep(path, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "runs[1] (system=zero-infinity): unknown system 'zero-infinity'; known systems:" in r.stderr
+    assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_impossible_configuration(tmp_path):
+    path = _write(tmp_path, "runs:\n  - {system: dos, placement: [cpu, static], stride: 2}\n")
+    r = _sweep(path, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "impossible configuration: stride applies to placement 'interleaved' only, not 'cpu'" in r.stderr
+    path = _write(tmp_path, "defaults: {device: cpu}\nruns: [{system: deepspeed-superoffload}]\n")
+    r = _sweep(path)
+    assert r.returncode == 2 and "deepspeed-superoffload needs a CUDA GPU but device is 'cpu'" in r.stderr
+
+
+def test_grid_expansion_dedup_and_where(tmp_path):
+    path = _write(tmp_path, "defaults: {model: 1.3B}\ngrid: {micro_batch: [1, 2]}\nruns:\n"
+                            "  - {system: dos, placement: interleaved, stride: [1, 2]}\n"
+                            "  - {system: dos, placement: interleaved, stride: 1, micro_batch: 4}\n"
+                            "  - {system: dos, placement: interleaved, stride: 1, micro_batch: 4}\n")
+    runs = sw.load(path).runs
+    assert [(s.micro_batch, s.stride) for s in runs] == [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1)]
+    assert [s.stride for s in sw.select(runs, {"micro_batch": 2})] == [1, 2]
+    assert len(sw.select(runs, {"micro_batch": [1, "4"], "stride": 1})) == 2
+    with pytest.raises(ConfigError, match="selects no run"):
+        sw.select(runs, {"model": "3B"})
+
+
+# ---------------------------------------------------------------- rows without a clean run
+
+def test_preflight_skips_what_cannot_fit_and_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.delenv("DOS_HOST_MEMORY_GIB", raising=False)
+    sweep = sw.parse({"defaults": {"device": "cpu"}, "host_memory_gib": 16,
+                      "runs": [{"system": "dos", "placement": "cpu", "model": "30B"},
+                               {"system": "torchao-cpu-offload", "device": "auto"},
+                               {"system": "torch-gpu", "device": "cuda"}]}, "pre")
+    counts = sw.run(sweep, tmp_path, progress=False)
+    rows = records.read_rows(tmp_path / "runs.csv")
+    assert counts["skipped"] == 3 and [r["status"] for r in rows] == ["skipped"] * 3
+    assert rows[0]["error"].startswith("host memory preflight: needs ~")
+    assert "16.0 GiB (host_memory_gib in the sweep file)" in rows[0]["error"]
+    if not sw._cuda_available():
+        assert "no CUDA device" in rows[1]["error"] and "no CUDA device" in rows[2]["error"]
+    assert int(rows[0]["n_params"]) > 30e9 and not list(tmp_path.glob("*/log.txt"))
+    # the env var overrides the file; the CLI flag overrides both
+    monkeypatch.setenv("DOS_HOST_MEMORY_GIB", "4096")
+    assert sw.available_host_gib(sweep) == (4096.0, "DOS_HOST_MEMORY_GIB")
+    assert sw.available_host_gib(sweep, 8)[0] == 8.0
+    assert sw.preflight(sweep.runs[0], 4096.0, "test") is None
+
+
+@pytest.mark.slow
+def test_timeout_and_crash_become_rows(tmp_path):
+    sweep = sw.parse({"defaults": QUICK, "timeout_s": 0.5, "runs": [{"system": "torch-cpu"}]}, "t")
+    sw.run(sweep, tmp_path, progress=False)
+    (row,) = records.read_rows(tmp_path / "runs.csv")
+    assert row["status"] == "error" and row["error"].startswith("timeout")
+    # a model the attention cannot reshape (hidden 64 over 3 heads) fails inside the child
+    sweep = sw.parse({"defaults": QUICK, "runs": [{"system": "torch-cpu", "model_overrides": {"heads": 3}}]},
+                     "t")
+    sw.run(sweep, tmp_path, progress=False)
+    row = records.read_rows(tmp_path / "runs.csv")[-1]
+    assert row["status"] == "error" and row["error"] and row["iter_s"] == ""
+    assert (tmp_path / row["log_file"]).exists() and (tmp_path / row["markers_file"]).exists()
