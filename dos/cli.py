@@ -66,11 +66,12 @@ def _print_rows(csv_path: Path, run_ids) -> None:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    if args.cmd == "calibrate":
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:  # its own flags (argparse's REMAINDER drops leading options)
         from dos import calibrate
 
-        return calibrate.main(args.rest)
+        return calibrate.main(argv[1:])
+    args = _parser().parse_args(argv)
     if args.cmd == "figures":
         print(f"{args.cmd}: not implemented yet", file=sys.stderr)
         return 2
