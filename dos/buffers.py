@@ -171,8 +171,8 @@ class DeviceBuffers:
             for s in layout.subgroups if lanes[s.index] == RESIDENT}
         n = layout.subgroup_numel
         self.slots = [torch.empty(3 * n, dtype=torch.float32, device=device) for _ in range(n_slots)]
-        needs_scratch = any(lanes[s.index] != "cpu" and dtypes[s.bucket] != torch.float32
-                            for s in layout.subgroups)
+        # Widening a low-precision gradient for any GPU update (staged or resident).
+        needs_scratch = (n_slots > 0 or bool(self.resident)) and any(d != torch.float32 for d in dtypes)
         self.scratch = torch.empty(n if needs_scratch else 0, dtype=torch.float32, device=device)
 
     def param(self, layout: Layout, s: int) -> torch.Tensor:

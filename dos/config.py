@@ -69,6 +69,9 @@ class EngineConfig:
     staging_slots: int = 3
     """GPU staging buffers for interleaved subgroups (2: double buffering; 3: H2D, update and D2H
     of three subgroups overlap)."""
+    replan: bool = True
+    """Online re-planning (stride="auto" with a calibration of this machine): each step's measured
+    lane times refine the rates, and a plan predicted >5% faster replaces the current one."""
     trace: bool = False
     """Record a per-subgroup lane timeline of every step (CUDA events; adds one sync per step)."""
     pin_memory: bool = True

@@ -41,7 +41,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, *, placement: str = "interleaved", stride="auto",
                  gpu_fraction: float = 0.0, subgroup_numel: Optional[int] = None,
                  max_grad_norm: Optional[float] = None, cpu_threads: Optional[int] = None,
-                 staging_slots: int = 3, trace: bool = False, pin_memory: bool = True,
+                 staging_slots: int = 3, replan: bool = True, trace: bool = False,
+                 pin_memory: bool = True,
                  host_memory_limit_gib: Optional[float] = None, amsgrad: bool = False,
                  maximize: bool = False):
         validate_hparams(lr, betas, eps, weight_decay)
@@ -50,7 +51,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise ValueError("dos.DeepOptimizerStates supports neither amsgrad nor maximize")
         self.config = EngineConfig(placement=placement, stride=stride, gpu_fraction=gpu_fraction,
                                    subgroup_numel=subgroup_numel, max_grad_norm=max_grad_norm,
-                                   cpu_threads=cpu_threads, staging_slots=staging_slots, trace=trace,
+                                   cpu_threads=cpu_threads, staging_slots=staging_slots, replan=replan,
+                                   trace=trace,
                                    pin_memory=pin_memory, host_memory_limit_gib=host_memory_limit_gib)
         self._ready = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -69,9 +71,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         blocks, nbytes = arena_blocks(self.layout, self.plan.lanes, [d.itemsize for d in dtypes])
         preflight(nbytes, self.layout.n_params, cfg.host_memory_limit_gib)  # before any allocation
 
-        self._sync = make_sync(device, timing=cfg.trace)
-        self._tl = Timeline(self._sync, cfg.trace)
+        self._refining = (cfg.replan and cfg.placement == "interleaved" and cfg.stride == "auto"
+                          and self.calibration is not None)
+        self._sync = make_sync(device, timing=cfg.trace or self._refining)
+        self._tl = Timeline(self._sync, trace=cfg.trace, measure=self._refining)
         n_slots = self.plan.staging_slots if STAGED in self.plan.lanes else 0
+        if self._refining:  # re-planning may stage subgroups later even if this plan does not
+            n_slots = max(n_slots, cfg.staging_slots)
         self._dev = DeviceBuffers(self.layout, self.plan.lanes, dtypes, device, n_slots)
         self._host = HostArena(blocks, nbytes,
                                {s: dtypes[self.layout.subgroups[s].bucket] for s in blocks},
@@ -82,6 +88,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._lanes = Lanes(self.layout, self.plan, self._dev, self._host, self._grads, self._sync, self._tl)
         self._steps: List[int] = [0] * len(self.param_groups)
         self.last_grad_norm: Optional[float] = None
+        self.replans: List[dict] = []  # {"step", "plan", "predicted_step_s"} of every re-plan
+        self._itemsize = dtypes[0].itemsize
         self._ready = True
 
     # -- setup ---------------------------------------------------------------------------------
@@ -138,10 +146,35 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                beta2=float(group["betas"][1]), eps=float(group["eps"]),
                                weight_decay=float(group["weight_decay"]), step=self._steps[b.group]))
         self._tl.begin(max(self._steps), earlier=self._grads.take_spans())
+        if self._refining:
+            self._refine()
         scale_t, scale = self._clip_scale()
         self._lanes.run(hyper, scale_t, scale)
         self._tl.finish()
         return loss
+
+    def _refine(self) -> None:
+        """Online refinement: the last step's lane times move the calibrated rates; a plan
+        predicted >5% faster (same resident share and slots: nothing on the GPU is reallocated)
+        replaces the current one. Safe at this point: gradients routed by the old plan are
+        re-sent by `flush` where the new one puts them on the CPU."""
+        totals = self._tl.totals()
+        if not totals:
+            return
+        kw = dict(grad_bytes=self._itemsize, param_bytes=self._itemsize)
+        self.calibration = perfmodel.update(self.calibration, self.plan, totals, **kw)
+        better = perfmodel.replan(self.plan, self.calibration, staging_slots=len(self._dev.slots),
+                                  max_threads=self.config.cpu_threads or default_threads(), **kw)
+        if better is not None:
+            self._set_plan(better[0])
+
+    def _set_plan(self, plan) -> None:
+        if plan.resident != self.plan.resident or plan.staging_slots > len(self._dev.slots):
+            raise ValueError("a new plan may move subgroups between the CPU and staged lanes only")
+        self.plan = self._lanes.plan = plan
+        self._grads.lanes = plan.lanes
+        self.replans.append({"step": max(self._steps), "plan": plan.to_record(),
+                             "predicted_step_s": plan.predicted_step_s})
 
     def _clip_scale(self):
         """Gradient divisor for exact global clipping over every gradient, wherever it lives."""

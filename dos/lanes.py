@@ -118,8 +118,10 @@ class Lanes:
         for s in self.plan.cpu_order:
             sg = self.layout.subgroups[s]
             h = hyper[sg.bucket]
-            # The CPU may read the gradient only once its D2H has landed.
+            # The CPU may read the gradient only once its D2H has landed, and the state only once
+            # its last write-back from the GPU has (a staged subgroup in an earlier plan).
             sync.host_wait(self.grads.d2h[s], "grad_d2h->cpu_update")
+            sync.host_wait(self.written[s], "d2h->cpu_update")
             t0 = time.perf_counter()
             master, m, v = thirds(self.host.state[s], sg.numel)
             g = self.host.grad[s]

@@ -401,14 +401,16 @@ def replan(plan: Plan, calib: Calibration, *, margin: float = 0.05, keep_memory:
            **choose_kw) -> Optional[Tuple[Plan, Prediction]]:
     """A better plan when its predicted gain exceeds `margin`, else None. `keep_memory`: keep the
     resident subgroups and slots (re-planning moves only CPU/staged lanes and threads; no GPU
-    allocation changes). `choose_kw`: as `choose` (free_gpu_bytes, max_threads, ...)."""
+    allocation changes; pass `staging_slots` when more slots are allocated than the plan uses).
+    `choose_kw`: as `choose` (free_gpu_bytes, max_threads, ...)."""
     current = predict(plan, calib, grad_bytes=choose_kw.get("grad_bytes", 2),
                       param_bytes=choose_kw.get("param_bytes", 2))
     if keep_memory:
         r = len(plan.resident)
         if r and plan.resident != tuple(range(r)):
             raise ValueError("keep_memory needs the resident subgroups to be the first ones")
-        choose_kw.update(resident=r, staging_slots=plan.staging_slots,
+        # `staging_slots` in choose_kw: the slots allocated (may exceed what this plan uses).
+        choose_kw.update(resident=r, staging_slots=choose_kw.get("staging_slots", plan.staging_slots),
                          free_gpu_bytes=float("inf"))
     new, pred = choose(plan.numels, calib, placement=plan.placement, **choose_kw)
     if current.total_s > (1 + margin) * pred.total_s:

@@ -1,23 +1,27 @@
 """Per-subgroup lane timeline of one update phase: where the step's time goes.
 
 GPU lanes are timed with CUDA events recorded on their streams (after the stream's waits, so a
-span is the work itself); the CPU lane with the host clock. Both are put on one clock: the step's
-reference event is synchronized once, and host times are taken relative to that moment.
+span is the work itself); the CPU lane with the host clock.
+
+Two uses:
+- `trace=True`: the full timeline of every step (`last`), both clocks put together — the step's
+  reference event is synchronized once and host times are taken relative to that moment.
+- busy seconds per lane (`totals()`) for online re-planning: no synchronization at all; the
+  previous step's spans are read at the next step, once their events have completed.
 """
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 class Timeline:
-    """Collects spans during a step; `finish()` resolves them into dicts (one sync)."""
-
-    def __init__(self, sync, enabled: bool):
+    def __init__(self, sync, trace: bool, measure: bool = False):
         self.sync = sync
-        self.enabled = enabled
-        self._gpu: list = []
-        self._host: list = []
+        self.trace = trace
+        self.enabled = trace or measure  # spans are recorded
+        self._spans: list = []  # (lane, subgroup, numel, start, end): events (GPU) or seconds (host)
+        self._prev: list = []
         self._ref = None
         self._t0 = 0.0
         self.step = 0
@@ -27,36 +31,53 @@ class Timeline:
         """Start a step's timeline; `earlier`: GPU spans recorded before it (gradient D2H)."""
         if not self.enabled:
             return
-        self.step, self._gpu, self._host = step, list(earlier), []
-        self._ref = self.sync.record("main")
-        self.sync.host_wait(self._ref, "trace")  # puts the two clocks together (tracing only)
-        self._t0 = time.perf_counter()
+        self._prev, self._spans, self.step = self._spans, list(earlier), step
+        if self.trace:
+            self._ref = self.sync.record("main")
+            self.sync.host_wait(self._ref, "trace")  # puts the two clocks together (tracing only)
+            self._t0 = time.perf_counter()
 
     def gpu_start(self, stream: str) -> Optional[object]:
         return self.sync.record(stream) if self.enabled and self.sync.is_async else None
 
     def gpu_end(self, start, stream: str, lane: str, subgroup: int, numel: int) -> None:
         if start is not None:
-            self._gpu.append((lane, subgroup, numel, start, self.sync.record(stream)))
+            self._spans.append((lane, subgroup, numel, start, self.sync.record(stream)))
 
     def host(self, lane: str, subgroup: int, numel: int, t_start: float, t_end: float) -> None:
         if self.enabled:
-            self._host.append((lane, subgroup, numel, t_start, t_end))
+            self._spans.append((lane, subgroup, numel, t_start, t_end))
 
     def finish(self) -> None:
-        if not self.enabled:
+        """Tracing only: wait for the step and resolve its spans into `last`."""
+        if not self.trace:
             return
         self.sync.synchronize()
         spans = []
-        for lane, s, n, a, b in self._gpu:
-            ms0 = self._ref.elapsed_time(a) if self._ref is not None else 0.0
-            ms1 = self._ref.elapsed_time(b) if self._ref is not None else 0.0
-            spans.append((lane, s, n, ms0 / 1e3, ms1 / 1e3))
-        for lane, s, n, a, b in self._host:
-            spans.append((lane, s, n, a - self._t0, b - self._t0))
-        spans.sort(key=lambda x: x[3])
-        self.last = [dict(step=self.step, lane=lane, subgroup=s, numel=n, start_s=a, end_s=b)
-                     for lane, s, n, a, b in spans]
+        for lane, s, n, a, b in self._spans:
+            if isinstance(a, float):
+                t0, t1 = a - self._t0, b - self._t0
+            else:
+                t0, t1 = (self._ref.elapsed_time(a) / 1e3, self._ref.elapsed_time(b) / 1e3) \
+                    if self._ref is not None else (0.0, 0.0)
+            spans.append(dict(step=self.step, lane=lane, subgroup=s, numel=n, start_s=t0, end_s=t1))
+        self.last = sorted(spans, key=lambda e: e["start_s"])
+
+    def totals(self) -> Optional[Dict[str, float]]:
+        """Busy seconds per lane of the previous step, or None while its GPU work is unfinished
+        (never blocks)."""
+        if not self._prev:
+            return None
+        out: Dict[str, float] = {}
+        for lane, _, _, a, b in self._prev:
+            if isinstance(a, float):
+                dt = b - a
+            elif b.query():
+                dt = a.elapsed_time(b) / 1e3
+            else:
+                return None
+            out[lane] = out.get(lane, 0.0) + dt
+        return out
 
 
 def lane_totals(timeline: List[dict]) -> dict:

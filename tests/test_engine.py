@@ -308,3 +308,46 @@ def test_auto_plan_from_a_calibration_is_predicted_and_exact(monkeypatch):
     assert max_diff(a, b) <= 1e-5
     fixed = dos.DeepOptimizerStates(make_model("odd").parameters(), placement="cpu")
     assert fixed.plan.predicted_step_s is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_changing_the_plan_between_steps_stays_exact(device):
+    """Re-planning moves subgroups between the CPU and staged lanes; state written back by one lane
+    is read by the other, gradients routed by the old plan are re-sent: still the oracle."""
+    from dos.perfmodel import build_plan
+    from fractions import Fraction
+
+    a, opt, b, ref = pair("transformer", device, subgroup_numel=500, placement="interleaved",
+                          stride=2, max_grad_norm=0.5)
+    shares = [Fraction(1, 2), Fraction(1, 3), Fraction(0), Fraction(1), Fraction(2, 3), Fraction(1, 2)]
+    for step, share in enumerate(shares):
+        new = build_plan(opt.plan.numels, resident=0, staged_share=share, cpu_threads=2,
+                         staging_slots=len(opt._dev.slots))
+        opt._set_plan(new)
+        train("transformer", a, opt, 3, device, accum=2, start=3 * step)
+        train("transformer", b, ref, 3, device, accum=2, start=3 * step)
+    assert max_diff(a, b) <= 1e-5
+    assert len(opt.replans) == len(shares)
+
+
+def test_online_refinement_replans_from_measured_lane_times(monkeypatch):
+    """A calibration that is wrong about the CPU (20x too fast) is corrected from the measured CPU
+    lane within a few steps and the plan moves work off the CPU; the result stays exact."""
+    import dataclasses
+
+    import dos.engine
+    from dos.perfmodel import DESIGN_H200
+
+    fast = dataclasses.replace(DESIGN_H200, cpu_rate=tuple(r * 20 for r in DESIGN_H200.cpu_rate),
+                               cpu_rate_dma=tuple(r * 20 for r in DESIGN_H200.cpu_rate_dma))
+    monkeypatch.setattr(dos.engine, "_calibration", lambda device: fast)
+    a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
+                          cpu_threads=2)
+    first = opt.plan
+    assert first.share("staged") < 1
+    train("transformer", a, opt, 10)
+    train("transformer", b, ref, 10)
+    assert opt.replans and opt.plan.share("staged") > first.share("staged")
+    assert max_diff(a, b) <= 1e-5
+    no = dos.DeepOptimizerStates(make_model("odd").parameters(), stride="auto", replan=False)
+    assert not no._refining

@@ -8,7 +8,10 @@ any one of them dropped, some seed gives a wrong result.
 import pytest
 import torch
 
+from fractions import Fraction
+
 import dos
+from dos.perfmodel import build_plan
 from dos.streams import DEBUG
 from helpers import HAS_CUDA, MasterAdamW
 
@@ -27,9 +30,14 @@ CASES = {
     # Implied by the slot events while the plan stays fixed; it guards plan changes (re-planning),
     # simulated here by reversing the staged order after every step.
     "d2h->h2d(state)": dict(placement="interleaved", stride=1, staging_slots=2, reverse=True),
+    # A re-plan hands a staged subgroup to the CPU: simulated by alternating all-staged / all-CPU.
+    "d2h->cpu_update": dict(placement="interleaved", stride=1, staging_slots=2, alternate=True),
     "gpu_update->forward": dict(placement="static", gpu_fraction=1.0),
     "d2h->host_read": dict(placement="interleaved", stride=1, staging_slots=8),
 }
+# Parameters: absolute error; moments: error relative to their largest value. GPU fused AdamW and
+# torch's default (foreach) AdamW differ by ~1.3e-5 relative in the moments (measured on the H200).
+PASS, DETECT = 1e-4, 1e-3
 ALL_LANES = dict(placement="interleaved", stride=2, gpu_fraction=0.25, staging_slots=2)
 
 
@@ -48,6 +56,7 @@ class Thin(torch.nn.Module):
 def run(settings, skip=(), delay=0, seed=0, steps=5):
     settings = dict(settings)
     reverse = settings.pop("reverse", False)
+    alternate = settings.pop("alternate", False)
     torch.manual_seed(0)
     a = Thin().cuda()
     b = Thin().cuda()
@@ -70,6 +79,11 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
             if reverse:
                 lanes = opt._lanes
                 lanes.plan = lanes.plan.replace(staged_order=lanes.plan.staged_order[::-1])
+            if alternate:
+                share = Fraction(step % 2)  # all-CPU after even steps, all-staged after odd ones
+                opt._set_plan(build_plan(opt.plan.numels, resident=0, staged_share=share,
+                                         cpu_threads=opt.plan.cpu_threads,
+                                         staging_slots=len(opt._dev.slots)))
         # Read the state right away, as a checkpoint would.
         state = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
     finally:
@@ -87,13 +101,13 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
 @pytest.mark.parametrize("settings", [ALL_LANES] + list(CASES.values()), ids=["all-lanes"] + list(CASES))
 def test_no_race_with_random_delays(settings):
     for seed in range(3):
-        assert run(settings, delay=4_000_000, seed=seed) <= 1e-5
+        assert run(settings, delay=4_000_000, seed=seed) <= PASS
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_dropping_any_handoff_breaks_the_result(name):
     errs = [run(CASES[name], skip={name}, delay=20_000_000, seed=seed) for seed in range(3)]
-    assert any(not e <= 1e-4 for e in errs), f"dropping {name} went unnoticed: errors {errs}"  # NaN counts
+    assert any(not e <= DETECT for e in errs), f"dropping {name} went unnoticed: errors {errs}"  # NaN counts
 
 
 def test_host_arena_is_pinned_and_exact():

@@ -1,0 +1,245 @@
+"""Figures: where each notebook's data comes from, the papermill driver behind `python -m dos run`,
+and the README's results table.
+
+Each notebook under notebooks/ makes one figure of DESIGN.md §6 in one of three modes, set in its
+literal-only `parameters` cell (papermill injects values after it):
+
+- replot (the default): plot the recorded rows under RESULTS; where none of those directories has
+  an `ok` row yet, the smoke records under SMOKE_RESULTS (the caption then says so).
+- RERUN=True: first run SWEEP into the first RESULTS directory (a GPU machine; a sweep runs only
+  the configurations missing there, so move that directory away to measure afresh), then plot.
+- SMOKE=True: first run SMOKE_SWEEP (tiny model, CPU) into SMOKE_RESULTS, then plot that.
+
+`python -m dos run` executes every notebook with papermill; each writes figures/NN-name.png and
+.svg, its executed copy is kept with the records it plotted (<records dir>/notebooks/NN-name.ipynb),
+and figures/results.md gets the results table.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from dos import results as R
+
+NOTEBOOKS = "notebooks"
+MODES = ("replot", "rerun", "smoke")
+TABLE = "results.md"
+
+
+# ---------------------------------------------------------------- data sources of a notebook
+
+def plotted(results, smoke_results=None, smoke: bool = False, rerun: bool = False) -> List[Path]:
+    """The records a notebook plots (see the module docstring); nothing runs here."""
+    if smoke:
+        return [R.resolve(smoke_results)]
+    dirs = R.as_paths(results)
+    if rerun:
+        return dirs
+    recorded = [d for d in dirs if R.has_records(d)]
+    if recorded or not smoke_results:
+        return recorded or dirs
+    return [R.resolve(smoke_results)]
+
+
+def run_sweep(sweep, out) -> dict:
+    """Run the sweep file `sweep` into `out` (resumable), with a progress bar."""
+    from dos import sweep as sw
+
+    return sw.run(sw.load(R.resolve(sweep)), R.resolve(out), progress=True)
+
+
+def prepare(results, smoke_results=None, sweep=None, smoke_sweep=None, rerun: bool = False,
+            smoke: bool = False) -> List[Path]:
+    """Run the notebook's sweep if its mode asks for it; return the directories to plot."""
+    if smoke:
+        run_sweep(smoke_sweep, smoke_results)
+    elif rerun:
+        run_sweep(sweep, R.as_paths(results)[0])
+    return plotted(results, smoke_results, smoke=smoke, rerun=rerun)
+
+
+def prepare_calibration(results, smoke_results, rerun: bool = False, smoke: bool = False):
+    """Figure 3's sources: (calibration json, kernel-benchmark dirs). RERUN measures this machine
+    into a new file beside the recorded one; SMOKE measures a rough CPU-only profile."""
+    from dos import calibrate
+
+    paths = R.as_paths(results)
+    calib, kernels = paths[0], paths[1:]
+    if smoke:
+        calib, kernels = R.resolve(smoke_results) / "calibration.json", []
+        calibrate.main(["--quick", "--threads", "1,2", "--out", str(calib)])
+    elif rerun:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        calib = calib.parent / f"{(calibrate.gpu_name() or 'cpu').replace(' ', '-')}-{stamp}.json"
+        calibrate.main(["--out", str(calib)])
+    return calib, kernels
+
+
+def describe(dirs: Sequence[Path]) -> str:
+    """One line saying what a figure was made from: H200 records or smoke data."""
+    dirs = [Path(d) for d in dirs]
+    names = ", ".join(d.name for d in dirs)
+    if dirs and dirs[0].suffix == ".json":
+        c = R.calibration(dirs[0]) if dirs[0].exists() else None
+        gpu = c.gpu_name if c is not None else None
+        return f"{gpu} calibration: {names}" if gpu else f"smoke data (CPU calibration): {names}"
+    df = R.rows(dirs)
+    if not len(df):
+        return f"no records: {names}"
+    m = R.machine(df)
+    return f"smoke data (CPU, tiny model): {names}" if m["smoke"] else f"{m['gpu']} records: {names}"
+
+
+# ---------------------------------------------------------------- notebooks
+
+def notebooks(only: Optional[Sequence[str]] = None) -> List[Path]:
+    """Source notebooks NN-name.ipynb, in order; `only`: numbers or names to keep ("7", "07-micro")."""
+    found = sorted(R.resolve(NOTEBOOKS).glob("[0-9][0-9]-*.ipynb"))
+    if only:
+        want = {str(x).zfill(2) if str(x).isdigit() else str(x) for x in only}
+        found = [p for p in found if p.name[:2] in want or p.stem in want or p.name in want]
+    return found
+
+
+def parameters_cells(nb) -> list:
+    return [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+
+
+def notebook_parameters(path) -> dict:
+    """The literal values of a notebook's `parameters` cell (each statement `NAME = literal`)."""
+    import nbformat
+
+    cells = parameters_cells(nbformat.read(str(path), as_version=4))
+    if len(cells) != 1:
+        raise ValueError(f"{path}: {len(cells)} cells tagged 'parameters', expected 1")
+    out = {}
+    for stmt in ast.parse(cells[0].source).body:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)):
+            raise ValueError(f"{path}: the parameters cell may hold only `NAME = literal` lines")
+        out[stmt.targets[0].id] = ast.literal_eval(stmt.value)
+    return out
+
+
+def sources(path, mode: str = "replot", overrides: Optional[dict] = None) -> List[Path]:
+    """The records notebook `path` will plot in `mode`, from its parameters (and `overrides`)."""
+    p = {**notebook_parameters(path), **(overrides or {})}
+    return plotted(p.get("RESULTS"), p.get("SMOKE_RESULTS"), smoke=mode == "smoke", rerun=mode == "rerun")
+
+
+def execute(path, mode: str = "replot", figures: str = "figures", executed: Optional[str] = None,
+            overrides: Optional[dict] = None, log_output: bool = False) -> Path:
+    """Run one notebook through papermill; return its executed copy (by default kept with the
+    records it plots: <records dir>/notebooks/<name>.ipynb)."""
+    import papermill as pm
+
+    path = Path(path)
+    params = {"RERUN": mode == "rerun", "SMOKE": mode == "smoke", "FIGURES": str(figures),
+              **(overrides or {})}
+    if executed:
+        out_dir = R.resolve(executed)
+    else:
+        first = sources(path, mode, overrides)[0]
+        out_dir = (first.parent if first.suffix else first) / "notebooks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dest = out_dir / path.name
+    pm.execute_notebook(str(path), str(dest), parameters=params, kernel_name="python3",
+                        cwd=str(R.repo_root()), progress_bar=False, log_output=log_output)
+    return dest
+
+
+def run_all(mode: str = "replot", only=None, figures: str = "figures", executed: Optional[str] = None,
+            overrides: Optional[dict] = None, table: bool = True) -> int:
+    """Execute every notebook (progress bar, one line each), then write the results table.
+    Returns the number of notebooks that failed."""
+    from tqdm import tqdm
+
+    nbs = notebooks(only)
+    failed = []
+    bar = tqdm(nbs, unit="notebook", file=sys.stderr, dynamic_ncols=True)
+    for nb in bar:
+        bar.set_description(nb.stem)
+        t0 = time.perf_counter()
+        try:
+            dest = execute(nb, mode, figures, executed, overrides, log_output=mode == "rerun")
+            src = describe(sources(nb, mode, overrides))
+            bar.write(f"{nb.stem}: {time.perf_counter() - t0:5.1f} s  {src}  -> {R.resolve(figures) / nb.stem}"
+                      f".png/.svg; executed copy {_rel(dest)}")
+        except Exception as e:  # papermill keeps the failing copy: report and go on
+            failed.append(nb.stem)
+            bar.write(f"{nb.stem}: FAILED ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})")
+    if table:
+        bar.write(f"results table -> {_rel(write_results_table(R.resolve(figures) / TABLE))}")
+    if failed:
+        bar.write("failed: " + ", ".join(failed))
+    return len(failed)
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(R.repo_root()))
+    except ValueError:
+        return str(p)
+
+
+# ---------------------------------------------------------------- the results table
+
+def results_table(root="experiments/results") -> str:
+    """Markdown: every system in its default configuration, per model, from the GPU rows
+    (status ok) of every runs.csv under `root`."""
+    dirs = sorted(p.parent for p in R.resolve(root).glob("*/runs.csv"))
+    df = R.rows(dirs)
+    df = R.headline(df[~df["smoke"] & df["gpu_name"].fillna("").ne("")])
+    lines = [f"<!-- generated by `python -m dos run` from {root}/*/runs.csv; do not edit -->",
+             "", "| model | system | s/iter | fwd / bwd / update (s) | tokens/s | vs ZeRO-Offload "
+             "| peak GPU (GiB) | peak host (GiB) | GPU | date | records |",
+             "|---|---|---:|---|---:|---:|---:|---:|---|---|---|"]
+    for model, g in df.groupby("model", sort=False):
+        ref = g[g["key"] == "deepspeed-zero-offload"]["iter_s"]
+        for _, r in g.iterrows():
+            speed = f"{ref.iloc[0] / r['iter_s']:.2f}x" if len(ref) else ""
+            lines.append(
+                f"| {model} | {_system(r)} | {r['iter_s']:.3f} | {r['fwd_s']:.2f} / {r['bwd_s']:.2f} / "
+                f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {speed} | {_num(r['peak_gpu_gib'])} | "
+                f"{_num(r['peak_host_gib'])} | {r['gpu_name']} | {r['date']} | "
+                f"{Path(r['results_dir']).name}/{r['run_id']} |")
+    if not len(df):
+        lines.append("| (no GPU records yet) |||||||||||")
+    return "\n".join(lines) + "\n"
+
+
+def _system(r) -> str:
+    from dos.plots import label
+
+    extra = []
+    if r["system"] == "dos" and r["placement"] == "interleaved":
+        extra.append(f"stride {r['stride']}" + (f" (k={int(r['plan_stride'])})"
+                                                 if r["stride"] == "auto" and r["plan_stride"] == r["plan_stride"] else ""))
+    if r["key"] in ("dos-static", "deepspeed-twinflow"):
+        extra.append(f"GPU share {r['gpu_fraction']:g}" if r["system"] == "dos" else f"ratio {r['ratio']:g}")
+    return label(r["key"]) + (f", {', '.join(extra)}" if extra else "")
+
+
+def _num(x) -> str:
+    return "" if x != x or x is None else f"{x:.1f}"
+
+
+def write_results_table(path) -> Path:
+    path = R.resolve(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(results_table())
+    return path
+
+
+def main(mode: str = "replot", only=None, figures: str = "figures", executed: Optional[str] = None) -> int:
+    """`python -m dos run`: every figure and the results table; exit status 1 if a notebook failed."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    t0 = time.perf_counter()
+    failed = run_all(mode, only, figures, executed)
+    print(f"figures: {len(notebooks(only)) - failed} notebooks ok, {failed} failed "
+          f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,299 @@
+"""Tidy DataFrames (dos.results) -> figures: one style, one fixed colour per system, a caption
+naming the machine, the dates and the records, PNG + SVG.
+
+This module holds the style and the figures built from rows (DESIGN.md §6: 2, 6, 7, 8, 9, 11);
+`dos.plots_traces` those built from traces, timelines, calibrations and per-step losses (1, 3, 4,
+5, 10). Every function returns a matplotlib Figure; `save` writes it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter, ScalarFormatter
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from dos import results as R
+
+# One colour per system, the same in every figure (dos in blues/greens, DeepSpeed in warm colours).
+PALETTE = {
+    "dos-interleaved": "#1f5fbf",
+    "dos-auto": "#17a5b8",
+    "dos-static": "#2ca02c",
+    "dos-cpu": "#8fb9e3",
+    "dos-gpu": "#0b2a5b",
+    "torch-gpu": "#6e6e6e",
+    "torch-cpu": "#b5b5b5",
+    "deepspeed-zero-offload": "#d62728",
+    "deepspeed-twinflow": "#ff7f0e",
+    "deepspeed-superoffload": "#9467bd",
+    "deepspeed-zero3": "#8c564b",
+    "torchao-cpu-offload": "#e377c2",
+}
+LABELS = {
+    "dos-interleaved": "dos interleaved",
+    "dos-auto": "dos auto",
+    "dos-static": "dos static",
+    "dos-cpu": "dos all-CPU",
+    "dos-gpu": "dos all-GPU",
+    "torch-gpu": "torch, no offload",
+    "torch-cpu": "torch (CPU device)",
+    "deepspeed-zero-offload": "DS ZeRO-Offload",
+    "deepspeed-twinflow": "DS TwinFlow",
+    "deepspeed-superoffload": "DS SuperOffload",
+    "deepspeed-zero3": "DS ZeRO-3, no offload",
+    "torchao-cpu-offload": "torchao offload",
+}
+ORDER = list(R.ORDER)
+PHASES = (("fwd_s", "forward", 0.35), ("bwd_s", "backward", 0.65), ("step_s", "update", 1.0))
+SMOKE_NOTE = "smoke data (CPU, tiny model)"
+
+
+def style() -> None:
+    """The one style of every figure."""
+    sns.set_theme(context="paper", style="whitegrid", font_scale=1.1,
+                  rc={"figure.dpi": 110, "savefig.dpi": 160, "axes.titleweight": "bold",
+                      "svg.hashsalt": "dos", "legend.frameon": False})
+
+
+def label(key: str) -> str:
+    return LABELS.get(key, key)
+
+
+def keys_in(df: pd.DataFrame) -> list:
+    present = set(df["key"]) if len(df) else set()
+    return [k for k in ORDER if k in present] + sorted(present - set(ORDER))
+
+
+def caption_text(df: pd.DataFrame, note: str = "") -> str:
+    m = R.machine(df)
+    if not len(df):
+        head = "no records"
+    elif m["smoke"]:
+        head = f"{SMOKE_NOTE} | {m['cpu']}"
+    else:
+        head = f"{m['gpu'] or 'no GPU'} | host CPU {m['cpu']}"
+    when = m["first"] if m["first"] == m["last"] else f"{m['first']} to {m['last']}"
+    parts = [head, f"runs {when}" if when else "", "records: " + ", ".join(m["sources"]), note]
+    return " | ".join(p for p in parts if p)
+
+
+def caption(fig, df: pd.DataFrame, note: str = "") -> None:
+    fig.text(0.005, -0.01, caption_text(df, note), ha="left", va="top", fontsize=7, color="0.35",
+             wrap=True)
+
+
+def figure(nrows: int = 1, ncols: int = 1, w: float = 4.2, h: float = 3.2, **kw):
+    style()
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False,
+                             layout="constrained", **kw)
+    return fig, axes
+
+
+def save(fig, out_dir, name: str) -> list:
+    """Write `name`.png and `name`.svg under `out_dir` (relative to the repository root)."""
+    out = R.resolve(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext, kw in (("png", {"metadata": {"Software": None}}), ("svg", {"metadata": {"Date": None}})):
+        path = out / f"{name}.{ext}"
+        fig.savefig(path, bbox_inches="tight", **kw)
+        paths.append(path)
+    return paths
+
+
+def plain_log(ax, axis: str = "y") -> None:
+    """A log axis labelled with plain numbers."""
+    a = ax.yaxis if axis == "y" else ax.xaxis
+    a.set_major_formatter(ScalarFormatter())
+    a.set_minor_formatter(NullFormatter())
+
+
+def empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no records yet\n{what}", ha="center", va="center", transform=ax.transAxes,
+            color="0.4")
+
+
+def _models(df: pd.DataFrame) -> list:
+    return list(df.sort_values("n_params")["model"].drop_duplicates()) if len(df) else []
+
+
+# ---------------------------------------------------------------- figure 2
+
+def breakdown(df: pd.DataFrame, note: str = ""):
+    """Fig. 2: forward / backward / update seconds per iteration, per system, one panel per model."""
+    d = R.headline(df)
+    models = _models(d) or ["-"]
+    fig, axes = figure(1, len(models), w=max(4.2, 0.55 * d["key"].nunique() + 1.5), sharey=False)
+    for ax, model in zip(axes[0], models):
+        m = d[d["model"] == model]
+        if not len(m):
+            empty(ax, "forward/backward/update per system")
+            continue
+        x = np.arange(len(m))
+        bottom = np.zeros(len(m))
+        for col, name, alpha in PHASES:
+            vals = m[col].fillna(0).to_numpy()
+            ax.bar(x, vals, bottom=bottom, color=[PALETTE.get(k, "0.5") for k in m["key"]],
+                   alpha=alpha, edgecolor="white", linewidth=0.6, label=name)
+            bottom += vals
+        for xi, total in zip(x, m["iter_s"]):
+            ax.text(xi, total, f"{total:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, [label(k) for k in m["key"]], rotation=35, ha="right")
+        ax.set_title(f"{model} ({m['params_b'].iloc[0]:.2f}B params)")
+        ax.set_ylabel("time per iteration (s)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color="0.3", alpha=a) for _, _, a in PHASES]
+    fig.legend(handles, [n for _, n, _ in PHASES], loc="outside upper right", ncols=3)
+    caption(fig, d, note)
+    return fig
+
+
+# ---------------------------------------------------------------- figure 6
+
+def scaling(df: pd.DataFrame, note: str = ""):
+    """Fig. 6: iteration time and tokens/s against model size, every system; dos interleaved's
+    speedup over DeepSpeed ZeRO-Offload annotated where both ran."""
+    d = R.headline(df)
+    fig, axes = figure(1, 2)
+    for ax, col, ylabel in ((axes[0, 0], "iter_s", "time per iteration (s)"),
+                            (axes[0, 1], "tokens_per_s", "throughput (tokens/s)")):
+        if not len(d):
+            empty(ax, "model-size sweep")
+            continue
+        for key in keys_in(d):
+            k = d[d["key"] == key].sort_values("n_params")
+            ax.plot(k["params_b"], k[col], "o-", color=PALETTE.get(key), label=label(key), ms=5)
+        ax.set_xlabel("model size (billion parameters)")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log")
+        ax.set_xticks(sorted(d["params_b"].unique()), [f"{x:.2g}" for x in sorted(d["params_b"].unique())])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    _speedups(axes[0, 0], d)
+    axes[0, 1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    caption(fig, d, note)
+    return fig
+
+
+def _speedups(ax, d: pd.DataFrame, ours: str = "dos-interleaved", ref: str = "deepspeed-zero-offload"):
+    a = d[d["key"] == ours].set_index("model")
+    b = d[d["key"] == ref].set_index("model")
+    for model in a.index.intersection(b.index):
+        s = b.loc[model, "iter_s"] / a.loc[model, "iter_s"]
+        ax.annotate(f"{label(ours)}\n{s:.1f}x faster", (b.loc[model, "params_b"], b.loc[model, "iter_s"]),
+                    textcoords="offset points", xytext=(8, -6), fontsize=7, color=PALETTE[ours])
+
+
+# ---------------------------------------------------------------- figure 7
+
+def microbatch(df: pd.DataFrame, failed: Optional[pd.DataFrame] = None, note: str = ""):
+    """Fig. 7: throughput and the update phase's share of the iteration against micro-batch size;
+    an x where a system ran out of memory (rows with status oom: no number is taken from them)."""
+    fig, axes = figure(1, 2)
+    ax_t, ax_s = axes[0]
+    if not len(df):
+        empty(ax_t, "micro-batch sweep")
+    d = df.assign(update_share=df["step_s"] / df["iter_s"])
+    for key in keys_in(d):
+        k = d[d["key"] == key].groupby("micro_batch", as_index=False)[["tokens_per_s", "update_share"]].median()
+        for ax, col in ((ax_t, "tokens_per_s"), (ax_s, "update_share")):
+            ax.plot(k["micro_batch"], k[col], "o-", color=PALETTE.get(key), label=label(key), ms=5)
+    if failed is not None and len(failed):
+        oom = failed[failed["status"] == "oom"]
+        for i, key in enumerate(keys_in(oom)):
+            xs = oom[oom["key"] == key]["micro_batch"]
+            ax_t.scatter(xs, [0.02 + 0.04 * i] * len(xs), marker="x", s=50, color=PALETTE.get(key),
+                         transform=ax_t.get_xaxis_transform(), label=f"{label(key)}: OOM")
+    for ax in (ax_t, ax_s):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batch size (sequences)")
+    ax_t.set_ylabel("throughput (tokens/s)")
+    ax_s.set_ylabel("update phase / iteration time")
+    ax_s.set_ylim(0, 1)
+    ax_t.legend(fontsize=7)
+    caption(fig, d, note)
+    return fig
+
+
+# ---------------------------------------------------------------- figure 8
+
+def subgroup_size(df: pd.DataFrame, note: str = ""):
+    """Fig. 8: update-phase time against the subgroup size, one panel per model."""
+    d = df[df["system"] == "dos"].copy()
+    models = _models(d) or ["-"]
+    fig, axes = figure(1, len(models))
+    for ax, model in zip(axes[0], models):
+        m = d[d["model"] == model]
+        if not len(m):
+            empty(ax, "subgroup-size sweep")
+            continue
+        for key in keys_in(m):
+            k = m[m["key"] == key].sort_values("plan_subgroup_numel")
+            ax.plot(k["plan_subgroup_numel"] / 2**20, k["step_s"], "o-", color=PALETTE.get(key),
+                    label=label(key), ms=5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("subgroup size (Mi elements)")
+        ax.set_ylabel("update phase (s)")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    caption(fig, d, note)
+    return fig
+
+
+# ---------------------------------------------------------------- figure 9
+
+def ratio_sweep(df: pd.DataFrame, note: str = ""):
+    """Fig. 9: iteration time and peak GPU memory against the share of the optimizer state in host
+    memory: DeepSpeed TwinFlow ratios and dos static resident shares; dos interleaved (all state in
+    host memory, part of it updated on the GPU) as a point and a dashed line."""
+    models = _models(df) or ["-"]
+    fig, axes = figure(2, len(models), h=2.8, sharex=True)
+    for j, model in enumerate(models):
+        m = df[(df["model"] == model) & (df["micro_batch"] == df["micro_batch"].min())]
+        for i, (col, ylabel) in enumerate((("iter_s", "time per iteration (s)"),
+                                           ("peak_gpu_gib", "peak GPU memory (GiB)"))):
+            ax = axes[i, j]
+            if not len(m):
+                empty(ax, "ratio sweep")
+                continue
+            for key in keys_in(m):
+                k = m[m["key"] == key].groupby("cpu_state_share", as_index=False)[col].median()
+                style_ = "o" if key == "dos-interleaved" else "o-"
+                ax.plot(k["cpu_state_share"], k[col], style_, color=PALETTE.get(key), label=label(key), ms=5)
+                if key == "dos-interleaved" and i == 0:
+                    ax.axhline(k[col].min(), color=PALETTE[key], ls="--", lw=1)
+            ax.set_ylabel(ylabel)
+            axes[0, j].set_title(model)
+            axes[-1, j].set_xlabel("optimizer state in host memory (share)")
+    axes[0, -1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    caption(fig, df, note)
+    return fig
+
+
+# ---------------------------------------------------------------- figure 11
+
+def memory_per_param(df: pd.DataFrame, note: str = ""):
+    """Fig. 11: peak GPU and host memory per parameter, per system (solid: GPU, hatched: host)."""
+    d = R.headline(df)
+    models = _models(d) or ["-"]
+    fig, axes = figure(1, len(models), w=max(4.2, 0.6 * d["key"].nunique() + 1.5))
+    for ax, model in zip(axes[0], models):
+        m = d[d["model"] == model]
+        if not len(m):
+            empty(ax, "memory per parameter")
+            continue
+        x = np.arange(len(m))
+        colors = [PALETTE.get(k, "0.5") for k in m["key"]]
+        ax.bar(x - 0.2, m["gpu_bytes_per_param"], 0.4, color=colors, label="GPU (peak allocated)")
+        ax.bar(x + 0.2, m["host_bytes_per_param_peak"], 0.4, color=colors, alpha=0.45, hatch="///",
+               edgecolor="white", label="host (peak RSS)")
+        ax.set_xticks(x, [label(k) for k in m["key"]], rotation=35, ha="right")
+        ax.set_ylabel("peak memory per parameter (bytes)")
+        ax.set_title(f"{model} ({m['params_b'].iloc[0]:.2f}B params)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color="0.35"),
+               plt.Rectangle((0, 0), 1, 1, color="0.35", alpha=0.45, hatch="///")]
+    fig.legend(handles, ["GPU (peak allocated)", "host (peak RSS)"], loc="outside upper right", ncols=2)
+    caption(fig, d, note)
+    return fig

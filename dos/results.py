@@ -1,0 +1,251 @@
+"""Recorded results -> tidy pandas DataFrames (DESIGN.md §5), for the figures.
+
+Everything reads what `dos.sweep` wrote under `experiments/results/<sweep>/`: `runs.csv` (one row per
+run), `env.json`, and each run's folder (`steps.csv`, `markers.csv`, `samples.csv`, `lanes.json`).
+Figures are built from rows with `status == ok` only; other rows are loaded only to mark where a
+configuration failed (an OOM in the micro-batch sweep), never for a number.
+
+Relative paths are taken from the repository root (the folder holding `experiments/` beside the
+`dos` package; the working directory otherwise), so notebooks run from `notebooks/` or the root alike.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Union
+
+import pandas as pd
+
+from dos.bench import records
+
+NUMERIC = ("gpu_fraction", "ratio", "n_params", "seq_len", "micro_batch", "gpus", "gpu_mem_cap_gib",
+           "host_mem_gib", "iter_s", "fwd_s", "bwd_s", "step_s", "tokens_per_s", "peak_gpu_gib",
+           "peak_host_gib", "predicted_step_s", "loss_first", "loss_last", "iter_s_min", "iter_s_max",
+           "peak_gpu_reserved_gib", "peak_gpu_nvml_gib", "host_bytes_per_param", "warmup", "steps")
+_GIB = 2**30
+ORDER = ("dos-interleaved", "dos-auto", "dos-static", "dos-cpu", "dos-gpu", "torch-gpu", "torch-cpu",
+         "deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload", "deepspeed-zero3",
+         "torchao-cpu-offload")
+"""Every system key, in the order figures and tables list them."""
+Paths = Union[str, Path, Sequence[Union[str, Path]]]
+
+
+def repo_root() -> Path:
+    here = Path(__file__).resolve().parents[1]
+    return here if (here / "experiments").is_dir() else Path.cwd()
+
+
+def resolve(path) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else repo_root() / p
+
+
+def as_paths(paths: Paths) -> List[Path]:
+    if paths is None:
+        return []
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    return [resolve(p) for p in paths]
+
+
+def has_records(path: Path) -> bool:
+    """A results directory with at least one `ok` row, or an existing file (a calibration)."""
+    path = resolve(path)
+    if path.is_file():
+        return True
+    return any(r.get("status") == "ok" for r in records.read_rows(path / "runs.csv"))
+
+
+# ---------------------------------------------------------------- rows
+
+def system_key(system: str, placement: Optional[str]) -> str:
+    """The colour key of a row: `dos-<placement>` for dos, the system name otherwise."""
+    return f"dos-{placement}" if system == "dos" and placement else system
+
+
+def _plan_fields(text: str) -> dict:
+    plan = json.loads(text) if isinstance(text, str) and text.startswith("{") else {}
+    return {"plan_stride": plan.get("stride"), "n_subgroups": plan.get("n_subgroups"),
+            "plan_subgroup_numel": plan.get("subgroup_numel"), "resident_fraction":
+            plan.get("resident_fraction"), "gpu_share": plan.get("gpu_share"),
+            "cpu_threads": plan.get("cpu_threads"), "staging_slots": plan.get("staging_slots"),
+            "plan_predicted_s": plan.get("predicted_step_s")}
+
+
+SPEC_KNOBS = ("subgroup_numel", "cpu_threads", "staging_slots", "max_grad_norm")
+"""Run settings outside the defaults that `headline` leaves out (from the row's config.run)."""
+
+
+def _spec_fields(text: str) -> dict:
+    run = (json.loads(text).get("run") or {}) if isinstance(text, str) and text.startswith("{") else {}
+    return {f"spec_{k}": run.get(k) for k in SPEC_KNOBS}
+
+
+def _derive(df: pd.DataFrame) -> pd.DataFrame:
+    for c in NUMERIC:
+        if c in df:
+            df[c] = pd.to_numeric(df[c].replace("", None), errors="coerce")
+    df["key"] = [system_key(s, p or None) for s, p in zip(df["system"], df["placement"])]
+    plan = pd.DataFrame([{**_plan_fields(p), **_spec_fields(c)} for p, c in zip(df["plan"], df["config"])],
+                        index=df.index, columns=[*_plan_fields(""), *_spec_fields("")])
+    df = pd.concat([df, plan.apply(pd.to_numeric, errors="coerce")], axis=1)
+    df["smoke"] = df["device"].eq("cpu")
+    df["params_b"] = df["n_params"] / 1e9
+    df["date"] = df["timestamp"].str[:10]
+    df["cpu_state_share"] = [_cpu_share(r) for r in df.itertuples()]
+    df["gpu_bytes_per_param"] = df["peak_gpu_gib"] * _GIB / df["n_params"]
+    df["host_bytes_per_param_peak"] = df["peak_host_gib"] * _GIB / df["n_params"]
+    return df
+
+
+def _cpu_share(r) -> float:
+    """Share of the optimizer state kept in host memory (TwinFlow's ratio, dos' non-resident share)."""
+    if r.system == "dos":
+        return 1.0 - (r.resident_fraction if pd.notna(r.resident_fraction) else
+                      (1.0 if r.placement == "gpu" else r.gpu_fraction or 0.0))
+    if r.system.startswith("deepspeed") and r.system != "deepspeed-zero3":
+        return float(r.ratio) if pd.notna(r.ratio) else 1.0
+    return 1.0 if r.system == "torchao-cpu-offload" else 0.0
+
+
+def rows(dirs: Paths, status: Iterable[str] = ("ok",)) -> pd.DataFrame:
+    """Rows of every `runs.csv` under `dirs` with one of `status`, newest first per run_id (the
+    same configuration recorded in two sweeps counts once: its latest measurement)."""
+    frames = []
+    for d in as_paths(dirs):
+        recs = records.read_rows(d / "runs.csv") if d.is_dir() else []
+        if recs and "system" in recs[0]:  # kernel benchmarks have rows of their own schema
+            frames.append(pd.DataFrame(recs).assign(results_dir=str(d)))
+    if not frames:
+        return _derive(pd.DataFrame(columns=[*records.COLUMNS, "results_dir"]))
+    df = pd.concat(frames, ignore_index=True)
+    df = df[df["status"].isin(list(status))]
+    df = df.sort_values("timestamp", kind="stable").drop_duplicates("run_id", keep="last")
+    return _derive(df.reset_index(drop=True))
+
+
+def headline(df: pd.DataFrame) -> pd.DataFrame:
+    """Each system in its default configuration (what a user gets): dos interleaved with stride
+    "auto", dos static and TwinFlow at 0.5, the smallest micro-batch, synthetic data, no GPU memory
+    cap and no other knob set; the latest run per (system, model), by model size and `ORDER`."""
+    keep = ((df["stride"].isin(["auto", ""]) | df["stride"].isna())
+            & (df["ratio"].isna() | df["ratio"].isin([0.5, 1.0]))
+            & (df["gpu_fraction"].isna() | df["gpu_fraction"].isin([0.0, 0.5]))
+            & df["gpu_mem_cap_gib"].isna() & df["data"].isin(["synthetic", ""])
+            & df[[f"spec_{k}" for k in SPEC_KNOBS]].isna().all(axis=1)
+            & (df["micro_batch"] == df["micro_batch"].min()))
+    out = df[keep].sort_values("timestamp").drop_duplicates(["key", "model"], keep="last")
+    rank = {k: i for i, k in enumerate(ORDER)}
+    return out.assign(_r=out["key"].map(lambda k: rank.get(k, len(ORDER)))).sort_values(
+        ["n_params", "_r"]).drop(columns="_r")
+
+
+def kernel_rows(dirs: Paths) -> pd.DataFrame:
+    """CPU-kernel benchmark rows (dos.bench.kernel: impl, threads, gparams_per_s, ...)."""
+    frames = [pd.DataFrame(records.read_rows(d / "runs.csv")) for d in as_paths(dirs) if d.is_dir()]
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=["impl", "threads", "gparams_per_s", "status"])
+    df = pd.concat(frames, ignore_index=True)
+    df = df[df["status"] == "ok"].copy()
+    for c in ("threads", "gparams_per_s", "gbytes_per_s", "params"):
+        df[c] = pd.to_numeric(df[c].replace("", None), errors="coerce")
+    return df
+
+
+# ---------------------------------------------------------------- provenance
+
+def env(results_dir) -> dict:
+    path = resolve(results_dir) / "env.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def machine(df: pd.DataFrame) -> dict:
+    """GPU, CPU and dates of the rows in `df` (env.json of their results directories)."""
+    dirs = list(dict.fromkeys(df["results_dir"])) if len(df) else []
+    envs = [env(d) for d in dirs]
+    cpus = {f"{e['cpu']['model']} ({e['cpu']['logical_cores']} cores)" for e in envs if e.get("cpu")}
+    gpus = sorted({g for g in df["gpu_name"].dropna() if g}) if len(df) else []
+    dates = sorted(df["date"].dropna()) if len(df) else []
+    return {"gpu": ", ".join(gpus) or None, "cpu": ", ".join(sorted(cpus)) or None,
+            "first": dates[0] if dates else None, "last": dates[-1] if dates else None,
+            "smoke": bool(len(df)) and bool(df["smoke"].all()),
+            "sources": [Path(d).name for d in dirs]}
+
+
+# ---------------------------------------------------------------- per-run files
+
+def run_file(row, column: str) -> Optional[Path]:
+    name = row.get(column) if isinstance(row, dict) else getattr(row, column, None)
+    if not isinstance(name, str) or not name:
+        return None
+    path = Path(row["results_dir"] if isinstance(row, dict) else row.results_dir) / name
+    return path if path.exists() else None
+
+
+def steps(df: pd.DataFrame, keep: Sequence[str] = ("run_id", "key", "model", "system")) -> pd.DataFrame:
+    """Per-step times and losses (steps.csv) of every row in `df`, with `keep` columns attached."""
+    frames = []
+    for _, r in df.iterrows():
+        path = run_file(r, "steps_file")
+        if path is not None:
+            s = pd.read_csv(path)
+            frames.append(s.assign(**{k: r[k] for k in keep}))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def trace(row) -> tuple:
+    """(samples, markers) DataFrames of one run: the NVML/host-memory trace and its phases."""
+    samples = run_file(row, "samples_file")
+    markers = run_file(row, "markers_file")
+    s = pd.read_csv(samples) if samples else pd.DataFrame(columns=["t_s"])
+    m = pd.read_csv(markers) if markers else pd.DataFrame(columns=["phase", "step", "start_s", "end_s"])
+    return s, m
+
+
+def lanes(row) -> pd.DataFrame:
+    """The per-subgroup lane events of every traced step of one run (seconds from `opt.step()`)."""
+    path = run_file(row, "lanes_file")
+    if path is None:
+        return pd.DataFrame(columns=["step", "lane", "subgroup", "numel", "start_s", "end_s"])
+    return pd.DataFrame([e for x in json.loads(path.read_text()) for e in x["events"]])
+
+
+# ---------------------------------------------------------------- the performance model
+
+def calibration(path):
+    from dos.perfmodel import Calibration
+
+    return Calibration.from_json(resolve(path).read_text())
+
+
+def plan_of(row):
+    """The Plan a dos row ran, rebuilt from its `plan` record (lanes, sizes, threads, slots).
+
+    Subgroups are equal (`subgroup_numel`) but the last, which holds the rest of `n_params` (the
+    presets' tensors are multiples of the 64-element alignment, so there is no padding)."""
+    from dos.plan import CPU, RESIDENT, STAGED, Plan
+
+    rec = json.loads(row["plan"])
+    n, sg, total = rec["n_subgroups"], rec["subgroup_numel"], int(row["n_params"])
+    numels = tuple([sg] * (n - 1) + [total - sg * (n - 1)])
+    lanes_ = tuple({"c": CPU, "s": STAGED, "r": RESIDENT}[c] for c in rec["lanes"])
+    rest = [i for i in reversed(range(n)) if lanes_[i] != RESIDENT]  # gradient-ready order
+    return Plan(placement=rec["placement"], stride=rec.get("stride"), lanes=lanes_, numels=numels,
+                cpu_order=tuple(i for i in rest if lanes_[i] == CPU),
+                staged_order=tuple(i for i in rest if lanes_[i] == STAGED),
+                cpu_threads=rec["cpu_threads"], staging_slots=rec["staging_slots"])
+
+
+def predictions(df: pd.DataFrame, calib) -> pd.DataFrame:
+    """`df` (dos rows) with `predicted_s` (the recorded prediction where the run made one, else
+    `perfmodel.predict` of its rebuilt plan under `calib`) and `predicted_src` saying which."""
+    from dos.perfmodel import predict
+
+    out = df.copy()
+    computed = [predict(plan_of(r), calib).total_s for _, r in out.iterrows()]
+    recorded = out["predicted_step_s"]
+    out["predicted_s"] = recorded.where(recorded.notna(), pd.Series(computed, index=out.index))
+    out["predicted_src"] = ["recorded" if pd.notna(x) else "computed" for x in recorded]
+    out["computed_s"] = computed
+    return out
