@@ -26,6 +26,8 @@ class Debug:
     """Names of hand-offs to drop (tests only: each must make the race test fail)."""
     delay_cycles: int = 0
     """Upper bound of a random GPU spin (torch.cuda._sleep) inserted before side-stream work."""
+    streams: Optional[Set[str]] = None
+    """Streams that get the spins (None: all)."""
     seed: int = 0
     rng: random.Random = field(default_factory=random.Random)
 
@@ -96,7 +98,7 @@ class CudaSync:
 
     def delay(self, name: str) -> None:
         """Tests only: a random spin on stream `name`, so that races surface."""
-        if DEBUG.delay_cycles:
+        if DEBUG.delay_cycles and (DEBUG.streams is None or name in DEBUG.streams):
             with self.on(name):
                 torch.cuda._sleep(DEBUG.rng.randrange(DEBUG.delay_cycles))
 

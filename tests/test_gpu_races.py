@@ -30,8 +30,10 @@ CASES = {
     # Implied by the slot events while the plan stays fixed; it guards plan changes (re-planning),
     # simulated here by reversing the staged order after every step.
     "d2h->h2d(state)": dict(placement="interleaved", stride=1, staging_slots=2, reverse=True),
-    # A re-plan hands a staged subgroup to the CPU: simulated by alternating all-staged / all-CPU.
-    "d2h->cpu_update": dict(placement="interleaved", stride=1, staging_slots=2, alternate=True),
+    # A re-plan hands a staged subgroup to the CPU: simulated by alternating all-staged / all-CPU,
+    # the CPU starting with the last staged subgroup, and only the write-backs delayed.
+    "d2h->cpu_update": dict(placement="interleaved", stride=1, staging_slots=2, alternate=True,
+                            delay_streams={"d2h"}),
     "gpu_update->forward": dict(placement="static", gpu_fraction=1.0),
     "d2h->host_read": dict(placement="interleaved", stride=1, staging_slots=8),
 }
@@ -57,6 +59,7 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
     settings = dict(settings)
     reverse = settings.pop("reverse", False)
     alternate = settings.pop("alternate", False)
+    delay_streams = settings.pop("delay_streams", None)
     torch.manual_seed(0)
     a = Thin().cuda()
     b = Thin().cuda()
@@ -64,7 +67,7 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
     kw = dict(lr=1e-2, weight_decay=0.01)
     opt = dos.DeepOptimizerStates(a.parameters(), subgroup_numel=WIDTH * 2 + 1000, **kw, **settings)
     ref = MasterAdamW(list(b.parameters()), **kw)
-    DEBUG.skip, DEBUG.delay_cycles = set(skip), delay
+    DEBUG.skip, DEBUG.delay_cycles, DEBUG.streams = set(skip), delay, delay_streams
     DEBUG.rng.seed(seed)
     try:
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -81,13 +84,13 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
                 lanes.plan = lanes.plan.replace(staged_order=lanes.plan.staged_order[::-1])
             if alternate:
                 share = Fraction(step % 2)  # all-CPU after even steps, all-staged after odd ones
-                opt._set_plan(build_plan(opt.plan.numels, resident=0, staged_share=share,
-                                         cpu_threads=opt.plan.cpu_threads,
-                                         staging_slots=len(opt._dev.slots)))
+                new = build_plan(opt.plan.numels, resident=0, staged_share=share,
+                                 cpu_threads=opt.plan.cpu_threads, staging_slots=len(opt._dev.slots))
+                opt._set_plan(new.replace(cpu_order=new.cpu_order[::-1]))
         # Read the state right away, as a checkpoint would.
         state = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
     finally:
-        DEBUG.skip, DEBUG.delay_cycles = set(), 0
+        DEBUG.skip, DEBUG.delay_cycles, DEBUG.streams = set(), 0, None
     torch.cuda.synchronize()
     err = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
     for i, m in enumerate(ref.masters[0]):  # state relative to its scale (moments are small)
