@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS ?= test,bench,notebooks,deepspeed
 
-.PHONY: setup run test test-gpu clean
+.PHONY: setup run test test-gpu lab clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -18,11 +18,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/activate
 
 setup: $(VENV)/.installed
 
+# Regenerates every figure from the recorded rows (no GPU needed); RERUN=1 reruns the sweeps first.
 run: setup
 	$(BIN)/python -m dos run
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu

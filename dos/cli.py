@@ -1,7 +1,8 @@
-"""`python -m dos calibrate | bench | sweep | figures`. Few flags: experiments live in yaml files."""
+"""`python -m dos calibrate | bench | sweep | figures | run`. Few flags: experiments live in yaml files."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -36,10 +37,17 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure this machine's rates (python -m dos calibrate -h)",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
-    sub.add_parser("figures", help="regenerate the figures (not implemented yet)")
-    r = sub.add_parser("run", help="the main job: for now a demo sweep of every dos placement and "
-                                   "DeepSpeed on the tiny model (CPU), printed as a table")
-    r.add_argument("--out", default="experiments/results/demo", help="results directory")
+    f = sub.add_parser("figures", help="execute the notebooks (papermill): every figure of DESIGN.md "
+                                       "§6 into figures/, and figures/results.md")
+    r = sub.add_parser("run", help="the main job: `figures` for every notebook; with --rerun (or env "
+                                   "RERUN=1) the notebooks run their sweeps first (GPU machine)")
+    for q in (f, r):
+        q.add_argument("--rerun", action="store_true", help="run each notebook's sweep first (GPU machine)")
+        q.add_argument("--smoke", action="store_true", help="run each notebook's tiny CPU sweep first")
+        q.add_argument("--only", nargs="+", metavar="NN", help="only these notebooks (numbers or names)")
+        q.add_argument("--figures", default="figures", help="where the PNG/SVG go (default figures/)")
+        q.add_argument("--executed", help="where the executed notebooks go (default: beside the "
+                                          "records each plots, <records>/notebooks/)")
     return p
 
 
@@ -65,6 +73,18 @@ def _print_rows(csv_path: Path, run_ids) -> None:
             print("  ".join(f"{c}={r[c]}" for c in cols if r.get(c)))
 
 
+def _figures(args) -> int:
+    """`figures` and `run`: the notebooks through papermill (dos/figures.py)."""
+    from dos import figures
+
+    rerun = args.rerun or (args.cmd == "run" and os.environ.get("RERUN", "") not in ("", "0"))
+    if rerun and args.smoke:
+        print("error: --rerun and --smoke exclude each other", file=sys.stderr)
+        return 2
+    mode = "rerun" if rerun else "smoke" if args.smoke else "replot"
+    return figures.main(mode, args.only, args.figures, args.executed)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["calibrate"]:  # its own flags (argparse's REMAINDER drops leading options)
@@ -72,11 +92,8 @@ def main(argv=None) -> int:
 
         return calibrate.main(argv[1:])
     args = _parser().parse_args(argv)
-    if args.cmd == "figures":
-        print(f"{args.cmd}: not implemented yet", file=sys.stderr)
-        return 2
-    if args.cmd == "run":
-        return main(["sweep", "experiments/sweeps/smoke.yaml", "--out", args.out])
+    if args.cmd in ("figures", "run"):
+        return _figures(args)
     from dos import sweep as sw
     from dos.bench.spec import ConfigError, RunSpec
 

@@ -108,7 +108,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                        max_threads=cfg.cpu_threads or default_threads(),
                                        staging_slots=cfg.staging_slots, resident=len(plan.resident),
                                        grad_bytes=itemsize, param_bytes=itemsize)
-            return plan
+            return plan.replace(source="perfmodel")
         pred = perfmodel.predict(plan, calib, grad_bytes=itemsize, param_bytes=itemsize)
         return plan.replace(predicted_step_s=pred.total_s)
 
@@ -166,7 +166,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         better = perfmodel.replan(self.plan, self.calibration, staging_slots=len(self._dev.slots),
                                   max_threads=self.config.cpu_threads or default_threads(), **kw)
         if better is not None:
-            self._set_plan(better[0])
+            self._set_plan(better[0].replace(source="replan"))
 
     def _set_plan(self, plan) -> None:
         if plan.resident != self.plan.resident or plan.staging_slots > len(self._dev.slots):

@@ -6,8 +6,9 @@ literal-only `parameters` cell (papermill injects values after it):
 
 - replot (the default): plot the recorded rows under RESULTS; where none of those directories has
   an `ok` row yet, the smoke records under SMOKE_RESULTS (the caption then says so).
-- RERUN=True: first run SWEEP into the first RESULTS directory (a GPU machine; a sweep runs only
-  the configurations missing there, so move that directory away to measure afresh), then plot.
+- RERUN=True: first run SWEEP into the first RESULTS directory (a list of sweeps: each into the
+  RESULTS directory at its position) on a GPU machine; a sweep runs only the configurations missing
+  there, so move that directory away to measure afresh. Then plot.
 - SMOKE=True: first run SMOKE_SWEEP (tiny model, CPU) into SMOKE_RESULTS, then plot that.
 
 `python -m dos run` executes every notebook with papermill; each writes figures/NN-name.png and
@@ -57,7 +58,9 @@ def prepare(results, smoke_results=None, sweep=None, smoke_sweep=None, rerun: bo
     if smoke:
         run_sweep(smoke_sweep, smoke_results)
     elif rerun:
-        run_sweep(sweep, R.as_paths(results)[0])
+        sweeps = [sweep] if isinstance(sweep, (str, Path)) else list(sweep)
+        for path, out in zip(sweeps, R.as_paths(results)):
+            run_sweep(path, out)
     return plotted(results, smoke_results, smoke=smoke, rerun=rerun)
 
 
@@ -143,11 +146,12 @@ def execute(path, mode: str = "replot", figures: str = "figures", executed: Opti
         out_dir = R.resolve(executed)
     else:
         first = sources(path, mode, overrides)[0]
-        out_dir = (first.parent if first.suffix else first) / "notebooks"
+        out_dir = (first.parent if first.is_file() else first) / "notebooks"
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = out_dir / path.name
     pm.execute_notebook(str(path), str(dest), parameters=params, kernel_name="python3",
-                        cwd=str(R.repo_root()), progress_bar=False, log_output=log_output)
+                        cwd=str(R.repo_root()), progress_bar=False, log_output=log_output,
+                        extra_arguments=["--log-level=ERROR"])  # the kernel's TCP notice: noise
     return dest
 
 
@@ -166,23 +170,16 @@ def run_all(mode: str = "replot", only=None, figures: str = "figures", executed:
         try:
             dest = execute(nb, mode, figures, executed, overrides, log_output=mode == "rerun")
             src = describe(sources(nb, mode, overrides))
-            bar.write(f"{nb.stem}: {time.perf_counter() - t0:5.1f} s  {src}  -> {R.resolve(figures) / nb.stem}"
-                      f".png/.svg; executed copy {_rel(dest)}")
+            bar.write(f"{nb.stem}: {time.perf_counter() - t0:4.1f} s  {src}  -> "
+                      f"{R.relative(R.resolve(figures) / nb.stem)}.png/.svg, {R.relative(dest)}")
         except Exception as e:  # papermill keeps the failing copy: report and go on
             failed.append(nb.stem)
             bar.write(f"{nb.stem}: FAILED ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})")
     if table:
-        bar.write(f"results table -> {_rel(write_results_table(R.resolve(figures) / TABLE))}")
+        bar.write(f"results table -> {R.relative(write_results_table(R.resolve(figures) / TABLE))}")
     if failed:
         bar.write("failed: " + ", ".join(failed))
     return len(failed)
-
-
-def _rel(p: Path) -> str:
-    try:
-        return str(Path(p).resolve().relative_to(R.repo_root()))
-    except ValueError:
-        return str(p)
 
 
 # ---------------------------------------------------------------- the results table
@@ -212,12 +209,15 @@ def results_table(root="experiments/results") -> str:
 
 
 def _system(r) -> str:
+    import pandas as pd
+
     from dos.plots import label
 
     extra = []
     if r["system"] == "dos" and r["placement"] == "interleaved":
-        extra.append(f"stride {r['stride']}" + (f" (k={int(r['plan_stride'])})"
-                                                 if r["stride"] == "auto" and r["plan_stride"] == r["plan_stride"] else ""))
+        k, auto = r["plan_stride"], r["stride"] == "auto"
+        chosen = "the model's choice" if pd.notna(r["plan_predicted_s"]) else "a fixed default"
+        extra.append(f"stride {r['stride']}" + (f" (k={int(k)}, {chosen})" if auto and pd.notna(k) else ""))
     if r["key"] in ("dos-static", "deepspeed-twinflow"):
         extra.append(f"GPU share {r['gpu_fraction']:g}" if r["system"] == "dos" else f"ratio {r['ratio']:g}")
     return label(r["key"]) + (f", {', '.join(extra)}" if extra else "")

@@ -20,8 +20,10 @@ from typing import Optional
 import psutil
 
 COLUMNS = ("t_s", "gpu_mem_used_mib", "gpu_util_pct", "gpu_mem_util_pct", "pcie_tx_mbps",
-           "pcie_rx_mbps", "host_rss_mib")
-"""pcie_tx: GPU -> host (D2H); pcie_rx: host -> GPU (H2D); MB/s = 1e6 bytes per second."""
+           "pcie_rx_mbps", "host_rss_mib", "gpu_alloc_mib")
+"""pcie_tx: GPU -> host (D2H); pcie_rx: host -> GPU (H2D); MB/s = 1e6 bytes per second.
+gpu_mem_used is what NVML sees (the caching allocator's reservations: it rarely falls);
+gpu_alloc is what PyTorch's tensors hold (torch.cuda.memory_allocated): the rise and fall."""
 
 _MIB = 1 << 20
 
@@ -55,6 +57,7 @@ class Sampler:
     def __init__(self, t0: float, hz: float = 100.0, gpu_index: Optional[int] = None,
                  gpu_uuid: Optional[str] = None, host_every: int = 5):
         self.t0, self.interval, self.host_every = t0, 1.0 / hz, host_every
+        self._cuda_index = gpu_index
         self.rows: list = []
         self._stop = threading.Event()
         self._threads: list = []
@@ -136,10 +139,24 @@ class Sampler:
             tx = rx = None
             if prev[0] is not None and t > prev[0]:
                 tx, rx = (tx_b - prev[1]) / (t - prev[0]) / 1e6, (rx_b - prev[2]) / (t - prev[0]) / 1e6
+                if tx < 0 or rx < 0:  # a counter wrapped: no reading for this interval
+                    tx = rx = None
             prev[:] = [t, tx_b, rx_b]
         else:
             tx, rx = self._pcie_latest
         return mem, util.gpu, util.memory, tx, rx
+
+    def _allocated(self) -> Optional[float]:
+        """MiB held by PyTorch tensors on the run's GPU; None without an initialized CUDA (the
+        sampler never initializes CUDA itself)."""
+        try:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                return torch.cuda.memory_allocated(self._cuda_index or 0) / _MIB
+        except Exception:
+            pass
+        return None
 
     def _loop(self):
         proc = psutil.Process()
@@ -159,7 +176,7 @@ class Sampler:
                     rss = _total_rss(proc) / _MIB
                 except psutil.Error:
                     pass
-            self.rows.append((t - self.t0, *gpu, rss))
+            self.rows.append((t - self.t0, *gpu, rss, self._allocated()))
             k += 1
             next_t += self.interval
             delay = next_t - time.perf_counter()

@@ -48,6 +48,9 @@ class Plan:
     """GPU staging buffers of the staged lane (0 when nothing is staged)."""
     predicted_step_s: Optional[float] = None
     """Update-phase time the performance model predicts for this plan (None: not modelled)."""
+    source: str = "config"
+    """Who made it: "config" (placement and stride as given), "rule" (stride="auto" without a
+    calibration: AUTO_STRIDE), "perfmodel" (stride="auto": the model's choice), "replan"."""
 
     def __post_init__(self):
         if len(self.numels) != len(self.lanes):
@@ -86,7 +89,10 @@ class Plan:
             "cpu_threads": self.cpu_threads,
             "staging_slots": self.staging_slots,
             "predicted_step_s": self.predicted_step_s,
+            "source": self.source,
             "lanes": "".join(x[0] for x in self.lanes),
+            "cpu_order": list(self.cpu_order),
+            "staged_order": list(self.staged_order),
         }
 
     def replace(self, **kw) -> "Plan":
@@ -133,6 +139,7 @@ def make_plan(layout: Layout, *, placement: str, stride, gpu_fraction: float, cp
     staged_set = set(staged)
     lanes = tuple(RESIDENT if i in set(resident) else STAGED if i in staged_set else CPU for i in range(n))
     return Plan(placement=placement, stride=k, lanes=lanes,
+                source="rule" if stride == "auto" and k else "config",
                 numels=tuple(s.numel for s in layout.subgroups),
                 cpu_order=tuple(i for i in rest if i not in staged_set),
                 staged_order=tuple(staged), cpu_threads=cpu_threads,

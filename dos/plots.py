@@ -7,11 +7,10 @@ This module holds the style and the figures built from rows (DESIGN.md §6: 2, 6
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import NullFormatter, ScalarFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -94,27 +93,38 @@ def figure(nrows: int = 1, ncols: int = 1, w: float = 4.2, h: float = 3.2, **kw)
 
 
 def save(fig, out_dir, name: str) -> list:
-    """Write `name`.png and `name`.svg under `out_dir` (relative to the repository root)."""
+    """Write `name`.png and `name`.svg under `out_dir` (relative to the repository root); return
+    their paths (relative to the root when inside it)."""
     out = R.resolve(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for ext, kw in (("png", {"metadata": {"Software": None}}), ("svg", {"metadata": {"Date": None}})):
         path = out / f"{name}.{ext}"
         fig.savefig(path, bbox_inches="tight", **kw)
-        paths.append(path)
+        paths.append(R.relative(path))
     return paths
 
 
 def plain_log(ax, axis: str = "y") -> None:
     """A log axis labelled with plain numbers."""
     a = ax.yaxis if axis == "y" else ax.xaxis
-    a.set_major_formatter(ScalarFormatter())
+    a.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     a.set_minor_formatter(NullFormatter())
 
 
-def empty(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no records yet\n{what}", ha="center", va="center", transform=ax.transAxes,
-            color="0.4")
+def binary(n: float) -> str:
+    """4096 -> '4 Ki', 50331648 -> '48 Mi'."""
+    for unit, scale in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:g}"
+
+
+def empty(ax, what: str, why: str = "no records yet") -> None:
+    """An empty panel that says what would be there and why it is not."""
+    ax.text(0.5, 0.5, f"{why}\n{what}", ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def _models(df: pd.DataFrame) -> list:
@@ -197,7 +207,8 @@ def microbatch(df: pd.DataFrame, failed: Optional[pd.DataFrame] = None, note: st
         empty(ax_t, "micro-batch sweep")
     d = df.assign(update_share=df["step_s"] / df["iter_s"])
     for key in keys_in(d):
-        k = d[d["key"] == key].groupby("micro_batch", as_index=False)[["tokens_per_s", "update_share"]].median()
+        k = d[d["key"] == key].groupby("micro_batch", as_index=False)
+        k = k[["tokens_per_s", "update_share"]].median()
         for ax, col in ((ax_t, "tokens_per_s"), (ax_s, "update_share")):
             ax.plot(k["micro_batch"], k[col], "o-", color=PALETTE.get(key), label=label(key), ms=5)
     if failed is not None and len(failed):
@@ -208,6 +219,9 @@ def microbatch(df: pd.DataFrame, failed: Optional[pd.DataFrame] = None, note: st
                          transform=ax_t.get_xaxis_transform(), label=f"{label(key)}: OOM")
     for ax in (ax_t, ax_s):
         ax.set_xscale("log", base=2)
+        ticks = sorted(d["micro_batch"].dropna().unique())
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("micro-batch size (sequences)")
     ax_t.set_ylabel("throughput (tokens/s)")
     ax_s.set_ylabel("update phase / iteration time")
@@ -231,10 +245,13 @@ def subgroup_size(df: pd.DataFrame, note: str = ""):
             continue
         for key in keys_in(m):
             k = m[m["key"] == key].sort_values("plan_subgroup_numel")
-            ax.plot(k["plan_subgroup_numel"] / 2**20, k["step_s"], "o-", color=PALETTE.get(key),
+            ax.plot(k["plan_subgroup_numel"], k["step_s"], "o-", color=PALETTE.get(key),
                     label=label(key), ms=5)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("subgroup size (Mi elements)")
+        ticks = sorted(m["plan_subgroup_numel"].dropna().unique())
+        ax.set_xticks(ticks, [binary(t) for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("subgroup size (elements)")
         ax.set_ylabel("update phase (s)")
         ax.set_title(model)
         ax.legend(fontsize=7)
@@ -244,30 +261,40 @@ def subgroup_size(df: pd.DataFrame, note: str = ""):
 
 # ---------------------------------------------------------------- figure 9
 
+FAMILIES = {"dos-static": ("dos-gpu", "dos-static", "dos-cpu"),
+            "deepspeed-twinflow": ("deepspeed-zero3", "deepspeed-twinflow", "deepspeed-zero-offload")}
+"""Figure 9's sweeps: a static share from all-GPU to all-CPU, drawn as one line per family."""
+
+
 def ratio_sweep(df: pd.DataFrame, note: str = ""):
     """Fig. 9: iteration time and peak GPU memory against the share of the optimizer state in host
-    memory: DeepSpeed TwinFlow ratios and dos static resident shares; dos interleaved (all state in
-    host memory, part of it updated on the GPU) as a point and a dashed line."""
+    memory: DeepSpeed TwinFlow ratios (ZeRO-3 at 0, ZeRO-Offload at 1) and dos static resident
+    shares (all-GPU at 0, all-CPU at 1); dos interleaved (all state in host memory, part of it
+    updated on the GPU) as a point and a dashed line."""
+    df = R.defaults_only(df)
     models = _models(df) or ["-"]
     fig, axes = figure(2, len(models), h=2.8, sharex=True)
     for j, model in enumerate(models):
-        m = df[(df["model"] == model) & (df["micro_batch"] == df["micro_batch"].min())]
+        m = df[df["model"] == model]
         for i, (col, ylabel) in enumerate((("iter_s", "time per iteration (s)"),
                                            ("peak_gpu_gib", "peak GPU memory (GiB)"))):
             ax = axes[i, j]
             if not len(m):
                 empty(ax, "ratio sweep")
                 continue
+            for family, members in FAMILIES.items():
+                f = m[m["key"].isin(members)].groupby("cpu_state_share", as_index=False)[col].median()
+                ax.plot(f["cpu_state_share"], f[col], "-", color=PALETTE[family], alpha=0.5, lw=1.2)
             for key in keys_in(m):
                 k = m[m["key"] == key].groupby("cpu_state_share", as_index=False)[col].median()
-                style_ = "o" if key == "dos-interleaved" else "o-"
-                ax.plot(k["cpu_state_share"], k[col], style_, color=PALETTE.get(key), label=label(key), ms=5)
+                ax.plot(k["cpu_state_share"], k[col], "o", color=PALETTE.get(key), ms=5.5)
                 if key == "dos-interleaved" and i == 0:
                     ax.axhline(k[col].min(), color=PALETTE[key], ls="--", lw=1)
             ax.set_ylabel(ylabel)
-            axes[0, j].set_title(model)
-            axes[-1, j].set_xlabel("optimizer state in host memory (share)")
-    axes[0, -1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+        axes[0, j].set_title(model)
+        axes[-1, j].set_xlabel("optimizer state in host memory (share)")
+    handles = [plt.Line2D([], [], marker="o", ls="", color=PALETTE.get(k)) for k in keys_in(df)]
+    fig.legend(handles, [label(k) for k in keys_in(df)], loc="outside right center", fontsize=8)
     caption(fig, df, note)
     return fig
 

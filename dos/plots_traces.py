@@ -9,7 +9,7 @@ import pandas as pd
 from matplotlib.patches import Patch
 
 from dos import results as R
-from dos.plots import PALETTE, SMOKE_NOTE, caption, empty, figure, keys_in, label, plain_log
+from dos.plots import PALETTE, SMOKE_NOTE, binary, caption, empty, figure, keys_in, label, plain_log
 
 PHASE_SHADE = {"fwd": ("forward", "0.92"), "bwd": ("backward", "0.82"), "step": ("update", "#f6e7a8")}
 LANES = ("grad_d2h", "cpu", "upload", "h2d", "gpu", "d2h")
@@ -32,6 +32,7 @@ def trace_rows(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
 
 
 METRICS = (  # (columns, y label, scale from the samples.csv unit): rows of figure 1, when recorded
+    (("gpu_alloc_mib",), "GPU memory allocated,\nPyTorch (GiB)", 1 / 1024),
     (("gpu_mem_used_mib",), "GPU memory used,\nNVML (GiB)", 1 / 1024),
     (("gpu_util_pct",), "GPU busy (%)", 1.0),
     (("pcie_rx_mbps", "pcie_tx_mbps"), "PCIe H2D / D2H\n(GB/s)", 1e-3),
@@ -72,15 +73,16 @@ def memory_trace(df: pd.DataFrame, keys: Sequence[str] = ("deepspeed-zero-offloa
         ax.set_ylim(0, ax.get_ylim()[1])  # after every column is drawn: the rows share y
     handles = [Patch(color=c, label=n) for n, c in PHASE_SHADE.values()]
     fig.legend(handles=handles, loc="outside upper right", ncols=3)
-    caption(fig, d, note or "NVML memory is what the caching allocator holds; peak allocated: " +
-            ", ".join(f"{label(r['key'])} {r['peak_gpu_gib']:.1f} GiB" for r, _, _ in traces
-                      if pd.notna(r["peak_gpu_gib"])))
+    peaks = ", ".join(f"{label(r['key'])} {r['peak_gpu_gib']:.1f} GiB" for r, _, _ in traces
+                      if pd.notna(r["peak_gpu_gib"]))
+    caption(fig, d, note or (f"NVML memory is what the caching allocator holds; peak allocated: {peaks}"
+                             if peaks else ""))
     return fig
 
 
 # ---------------------------------------------------------------- figure 3
 
-def update_inputs(calib, kernels: Optional[pd.DataFrame] = None, source: str = "", note: str = ""):
+def update_inputs(calib, kernels: Optional[pd.DataFrame] = None, sources: Sequence = (), note: str = ""):
     """Fig. 3: the performance model's inputs: CPU AdamW rate against threads (alone and under DMA,
     with the kernel benchmarks), copy bandwidth against the CPU lane's threads, and every update
     path as elements/s (PCIe as the state it moves: 12 B per element each way)."""
@@ -97,17 +99,17 @@ def update_inputs(calib, kernels: Optional[pd.DataFrame] = None, source: str = "
         if len(k):
             a.scatter(k["threads"], k["gparams_per_s"], marker="s", color=PALETTE[key], zorder=3,
                       label=f"{impl} (kernel bench)")
-    a.set(xlabel="CPU threads", ylabel="CPU AdamW (G elements/s)", title="CPU Adam")
+    a.set(xlabel="CPU threads", ylabel="CPU AdamW (G elements/s)", title="CPU Adam", xticks=th)
     a.legend(fontsize=6.5)
     if calib.has_gpu:
         _copies(b, calib)
         _rates(c, calib)
     else:
-        empty(b, "no GPU: copy bandwidth")
-        empty(c, "no GPU: GPU Adam, PCIe")
+        empty(b, "copy bandwidth", why="no GPU in this calibration")
+        empty(c, "GPU Adam, PCIe", why="no GPU in this calibration")
     text = (f"{calib.gpu_name or 'no GPU'} | host CPU {calib.cpu_model} ({calib.host_cores} cores) | "
             f"{calib.cpu_impl} | torch {calib.torch_version} | measured {calib.created[:10]} | "
-            f"records: {source}" + (f" | {note}" if note else ""))
+            f"records: {', '.join(R.resolve(p).name for p in sources)}" + (f" | {note}" if note else ""))
     fig.text(0.005, -0.01, (SMOKE_NOTE + " | " if not calib.has_gpu else "") + text, ha="left",
              va="top", fontsize=7, color="0.35", wrap=True)
     return fig
@@ -122,7 +124,8 @@ def _copies(ax, calib) -> None:
     for v, ls, name in ((calib.h2d_bw, ":", "H2D alone"), (calib.d2h_bw, "-.", "D2H alone"),
                         (calib.h2d_duplex_bw, "--", "H2D duplex")):
         ax.axhline(v / 1e9, color="0.4", ls=ls, lw=1, label=name)
-    ax.set(xlabel="CPU Adam threads running", ylabel="pinned copy bandwidth (GB/s)", title="PCIe")
+    ax.set(xlabel="CPU Adam threads running", ylabel="pinned copy bandwidth (GB/s)", title="PCIe",
+           xticks=th)
     ax.set_ylim(0, None)
     ax.legend(fontsize=6.5)
 
@@ -137,6 +140,8 @@ def _rates(ax, calib) -> None:
     for i, v in enumerate(vals):
         ax.text(i, v / 1e9, f"{v / 1e9:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
+    ax.set_ylim(0.3, max(vals) / 1e9 * 2)
+    ax.set_yticks([t for t in (0.3, 1, 3, 10, 30, 100, 300) if t <= max(vals) / 1e9 * 2])
     plain_log(ax)
     ax.set_xticks(range(4), names, fontsize=7)
     ax.set(ylabel="update rate (G elements/s)", title="update paths")
@@ -183,7 +188,7 @@ def _plan_label(row) -> str:
     n, sg = row.get("n_subgroups"), row.get("plan_subgroup_numel")
     parts = [f"stride {int(k)}" if pd.notna(k) else "no staged lane"]
     if pd.notna(n) and pd.notna(sg):
-        parts.append(f"{int(n)} subgroups of {sg / 2**20:.1f} Mi elements")
+        parts.append(f"{int(n)} subgroups of {binary(sg)} elements")
     if pd.notna(row.get("cpu_threads")):
         parts.append(f"{int(row['cpu_threads'])} CPU threads")
     return ", ".join(parts)
@@ -199,14 +204,16 @@ def pick_run(df: pd.DataFrame, run_id: Optional[str] = None):
 
 # ---------------------------------------------------------------- figure 5
 
-def stride_sweep(dfp: pd.DataFrame, note: str = ""):
+def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
     """Fig. 5: measured update phase against the performance model's prediction, per stride (and
     all-CPU); the model's choice (least predicted) starred. `dfp`: `results.predictions(...)`."""
     d = dfp[dfp["placement"].isin(["interleaved", "cpu"])].copy()
-    models = list(d.sort_values("n_params")["model"].drop_duplicates()) or ["-"]
-    fig, axes = figure(1, len(models), w=4.3)
-    for ax, model in zip(axes[0], models):
-        m = d[d["model"] == model].copy()
+    d["panel"] = [m + (f", GPU capped at {c:g} GiB" if c == c else "") for m, c in
+                  zip(d["model"], d["gpu_mem_cap_gib"])]
+    panels = list(d.sort_values(["n_params", "panel"])["panel"].drop_duplicates()) or ["-"]
+    fig, axes = figure(1, len(panels), w=4.3)
+    for ax, panel in zip(axes[0], panels):
+        m = d[d["panel"] == panel].copy()
         if not len(m):
             empty(ax, "stride sweep")
             continue
@@ -219,26 +226,25 @@ def stride_sweep(dfp: pd.DataFrame, note: str = ""):
         colors = [PALETTE[k] for k in m["key"]]
         ax.scatter(m["x"], m["step_s"], color=colors, s=36, zorder=3, label="measured")
         ax.plot(m["x"], m["predicted_s"], "s:", mfc="none", color="0.3", ms=6, label="predicted")
-        best = m.loc[m["predicted_s"].idxmin()]
-        ax.scatter([best["x"]], [best["predicted_s"]], marker="*", s=160, color="#ffbf00",
-                   edgecolor="0.2", zorder=4, label="model's choice")
+        if m["predicted_s"].notna().any():
+            best = m.loc[m["predicted_s"].idxmin()]
+            ax.scatter([best["x"]], [best["predicted_s"]], marker="*", s=160, color="#ffbf00",
+                       edgecolor="0.2", zorder=4, label="model's choice")
         for _, r in m[model_auto].iterrows():
             ax.annotate("auto", (r["x"], r["step_s"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xticks(range(1, top + 2), [str(k) for k in range(1, top + 1)] + ["all\nCPU"])
         ax.set(xlabel="update stride k (every k-th subgroup on the GPU)", ylabel="update phase (s)",
-               title=model)
+               title=panel)
         ax.set_ylim(0, None)
         ax.legend(fontsize=7)
-    srcs = sorted(set(d["predicted_src"])) if len(d) else []
-    caption(fig, d, note or _prediction_note(srcs))
+    computed = d["predicted_src"].eq("computed") & d["predicted_s"].notna()
+    why = "predicted: recorded by each run"
+    if computed.any():
+        why = (f"predicted: recorded by the run where it made one ({(~computed).sum()} runs), else "
+               f"dos.perfmodel.predict of the run's recorded plan under {R.resolve(calibration).name} "
+               f"({computed.sum()} runs)")
+    caption(fig, d, note or why)
     return fig
-
-
-def _prediction_note(srcs) -> str:
-    if srcs == ["recorded"]:
-        return "predicted: recorded by each run"
-    return ("predicted: recorded by the run where it made one, else dos.perfmodel.predict of the "
-            "run's recorded plan under the calibration named in the notebook")
 
 
 # ---------------------------------------------------------------- figure 10

@@ -40,6 +40,14 @@ def resolve(path) -> Path:
     return p if p.is_absolute() else repo_root() / p
 
 
+def relative(path) -> str:
+    """`path` relative to the repository root when inside it (what notebooks print)."""
+    try:
+        return str(Path(path).resolve().relative_to(repo_root()))
+    except ValueError:
+        return str(path)
+
+
 def as_paths(paths: Paths) -> List[Path]:
     if paths is None:
         return []
@@ -124,16 +132,22 @@ def rows(dirs: Paths, status: Iterable[str] = ("ok",)) -> pd.DataFrame:
     return _derive(df.reset_index(drop=True))
 
 
-def headline(df: pd.DataFrame) -> pd.DataFrame:
-    """Each system in its default configuration (what a user gets): dos interleaved with stride
-    "auto", dos static and TwinFlow at 0.5, the smallest micro-batch, synthetic data, no GPU memory
-    cap and no other knob set; the latest run per (system, model), by model size and `ORDER`."""
+def defaults_only(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows at the default settings but for the placement knobs: stride "auto" for dos interleaved,
+    the smallest micro-batch, synthetic data, no GPU memory cap, no other knob set."""
     keep = ((df["stride"].isin(["auto", ""]) | df["stride"].isna())
-            & (df["ratio"].isna() | df["ratio"].isin([0.5, 1.0]))
-            & (df["gpu_fraction"].isna() | df["gpu_fraction"].isin([0.0, 0.5]))
             & df["gpu_mem_cap_gib"].isna() & df["data"].isin(["synthetic", ""])
             & df[[f"spec_{k}" for k in SPEC_KNOBS]].isna().all(axis=1)
             & (df["micro_batch"] == df["micro_batch"].min()))
+    return df[keep]
+
+
+def headline(df: pd.DataFrame) -> pd.DataFrame:
+    """Each system in its default configuration (what a user gets): `defaults_only`, dos static and
+    TwinFlow at 0.5; the latest run per (system, model), by model size and `ORDER`."""
+    df = defaults_only(df)
+    keep = ((df["ratio"].isna() | df["ratio"].isin([0.5, 1.0]))
+            & (df["gpu_fraction"].isna() | df["gpu_fraction"].isin([0.0, 0.5])))
     out = df[keep].sort_values("timestamp").drop_duplicates(["key", "model"], keep="last")
     rank = {k: i for i, k in enumerate(ORDER)}
     return out.assign(_r=out["key"].map(lambda k: rank.get(k, len(ORDER)))).sort_values(
@@ -145,7 +159,7 @@ def kernel_rows(dirs: Paths) -> pd.DataFrame:
     frames = [pd.DataFrame(records.read_rows(d / "runs.csv")) for d in as_paths(dirs) if d.is_dir()]
     frames = [f for f in frames if len(f)]
     if not frames:
-        return pd.DataFrame(columns=["impl", "threads", "gparams_per_s", "status"])
+        return pd.DataFrame(columns=["impl", "threads", "gparams_per_s", "gbytes_per_s", "params", "status"])
     df = pd.concat(frames, ignore_index=True)
     df = df[df["status"] == "ok"].copy()
     for c in ("threads", "gparams_per_s", "gbytes_per_s", "params"):
@@ -205,7 +219,7 @@ def trace(row) -> tuple:
 
 def lanes(row) -> pd.DataFrame:
     """The per-subgroup lane events of every traced step of one run (seconds from `opt.step()`)."""
-    path = run_file(row, "lanes_file")
+    path = run_file(row, "lanes_file") if row is not None else None
     if path is None:
         return pd.DataFrame(columns=["step", "lane", "subgroup", "numel", "start_s", "end_s"])
     return pd.DataFrame([e for x in json.loads(path.read_text()) for e in x["events"]])
@@ -239,11 +253,13 @@ def plan_of(row):
 
 def predictions(df: pd.DataFrame, calib) -> pd.DataFrame:
     """`df` (dos rows) with `predicted_s` (the recorded prediction where the run made one, else
-    `perfmodel.predict` of its rebuilt plan under `calib`) and `predicted_src` saying which."""
+    `perfmodel.predict` of its rebuilt plan under `calib`) and `predicted_src` saying which.
+    Runs on the CPU device get no computed prediction (a GPU calibration does not describe them)."""
     from dos.perfmodel import predict
 
     out = df.copy()
-    computed = [predict(plan_of(r), calib).total_s for _, r in out.iterrows()]
+    computed = [predict(plan_of(r), calib).total_s if r["device"] == "cuda" else float("nan")
+                for _, r in out.iterrows()]
     recorded = out["predicted_step_s"]
     out["predicted_s"] = recorded.where(recorded.notna(), pd.Series(computed, index=out.index))
     out["predicted_src"] = ["recorded" if pd.notna(x) else "computed" for x in recorded]

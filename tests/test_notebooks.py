@@ -1,0 +1,186 @@
+"""The notebooks (one per figure, DESIGN.md §6) and the figure pipeline behind `python -m dos run`.
+
+Source notebooks: one literal-only `parameters` cell, no outputs, kernel python3, thin (no def or
+class). Every notebook executes with papermill in replot mode on the recorded rows, and the
+executed copies pass nbval; three execute in SMOKE mode, running their tiny CPU sweep first.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+pytest.importorskip("papermill")
+pytest.importorskip("seaborn")
+
+from dos import figures, results  # noqa: E402
+from dos.bench.spec import PLACEMENTS, SYSTEMS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = figures.notebooks()
+FIGURE_NUMBERS = [f"{i:02d}" for i in range(1, 12)]  # §6: 1-11 (12 once multi-GPU exists)
+SMOKE_RUN = ("03", "04", "10")  # quick SMOKE sweeps without DeepSpeed (its JIT build takes minutes)
+SHORTER = {"10": {"steps": 6}}  # CI: figure 10's smoke sweep with fewer steps (same code path)
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+def test_one_notebook_per_figure():
+    assert [p.name[:2] for p in NOTEBOOKS] == FIGURE_NUMBERS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_source_notebook_is_clean(path):
+    nb = nbformat.read(str(path), as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    params = figures.parameters_cells(nb)
+    assert len(params) == 1, "exactly one cell tagged 'parameters'"
+    assert nb.cells.index(params[0]) <= 1, "the parameters cell comes first (after the title)"
+    for stmt in ast.parse(params[0].source).body:  # papermill injects after it: literals only
+        assert isinstance(stmt, ast.Assign) and len(stmt.targets) == 1, ast.dump(stmt)
+        ast.literal_eval(stmt.value)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "committed without outputs"
+            defs = [n for n in ast.walk(ast.parse(cell.source))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))]
+            assert not defs, "notebooks are thin: no def / class / lambda (put it in dos/)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_parameters_name_real_files(path):
+    from dos import sweep as sw
+
+    p = figures.notebook_parameters(path)
+    assert p["RERUN"] is False and p["SMOKE"] is False and p["FIGURES"] == "figures"
+    assert p["SMOKE_RESULTS"].startswith("experiments/results/smoke-")
+    for key in ("SWEEP", "SMOKE_SWEEP"):
+        for sweep in [p[key]] if isinstance(p.get(key), str) else p.get(key, []):
+            sw.load(ROOT / sweep)  # parses and validates every run of the grid
+    if isinstance(p.get("SWEEP"), list):
+        assert len(p["SWEEP"]) <= len(p["RESULTS"]), "each sweep runs into RESULTS at its position"
+    assert "SWEEP" in p or path.name.startswith("03-"), "figure 3 calibrates instead of sweeping"
+    first = figures.sources(path)[0]
+    assert first.exists(), f"{path.name} has nothing to replot: {first}"
+
+
+def test_parameters_cell_rejects_code(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell('RESULTS = "x"\nN = len("ab")')
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [cell]
+    path = tmp_path / "bad.ipynb"
+    nbformat.write(nb, str(path))
+    with pytest.raises(ValueError):
+        figures.notebook_parameters(path)
+
+
+def test_python3_kernel_is_installed():
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    assert spec.language == "python"
+
+
+def test_every_system_has_a_colour_and_a_label():
+    from dos import plots
+
+    keys = {s for s in SYSTEMS if s != "dos"} | {f"dos-{p}" for p in PLACEMENTS}
+    assert keys <= set(plots.PALETTE)
+    assert set(plots.PALETTE) == set(plots.LABELS) == set(results.ORDER)
+    assert len(set(plots.PALETTE.values())) == len(plots.PALETTE), "one colour per system"
+
+
+def test_replot_falls_back_to_smoke_records(tmp_path):
+    empty, smoke = tmp_path / "gpu-sweep", ROOT / "experiments/results/smoke-microbatch"
+    assert figures.plotted([str(empty)], str(smoke)) == [smoke]
+    assert figures.plotted([str(empty)], str(smoke), rerun=True) == [empty]
+    recorded = ROOT / "experiments/results/h200-1.3b"
+    assert figures.plotted([str(empty), str(recorded)], str(smoke)) == [recorded]
+
+
+def test_recorded_predictions_are_reproduced_from_the_plan_record():
+    rows = results.rows(ROOT / "experiments/results/h200-1.3b")
+    dos_rows = rows[(rows["system"] == "dos") & rows["predicted_step_s"].notna()]
+    assert len(dos_rows) >= 2
+    calib = results.calibration(ROOT / "experiments/results/calibration/h200-20261129b.json")
+    pred = results.predictions(dos_rows, calib)
+    assert (pred["computed_s"] - pred["predicted_step_s"]).abs().max() < 1e-5
+
+
+def test_results_table_lists_the_gpu_records():
+    table = figures.results_table()
+    assert "| 1.3B | dos interleaved" in table and "DS ZeRO-Offload" in table
+    assert "smoke" not in table and "tiny" not in table
+
+
+# ---------------------------------------------------------------- execution
+
+@pytest.fixture(scope="module")
+def replotted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replot")
+    failed = figures.run_all("replot", figures=str(out / "figures"), executed=str(out / "executed"),
+                             table=False)
+    return out, failed
+
+
+@pytest.mark.slow
+def test_every_notebook_replots_its_records(replotted):
+    out, failed = replotted
+    assert failed == 0
+    for nb in NOTEBOOKS:
+        for ext in ("png", "svg"):
+            assert (out / "figures" / f"{nb.stem}.{ext}").stat().st_size > 1000
+        executed = nbformat.read(str(out / "executed" / nb.name), as_version=4)
+        assert any("injected-parameters" in c.metadata.get("tags", []) for c in executed.cells)
+
+
+@pytest.mark.slow
+def test_executed_notebooks_pass_nbval(replotted):
+    out, _ = replotted
+    paths = sorted(str(p) for p in (out / "executed").glob("*.ipynb"))
+    assert len(paths) == len(NOTEBOOKS)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider",
+                           "--rootdir", str(out), *paths], cwd=out, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _shorter_sweep(nb, tmp_path, changes: dict) -> str:
+    """A copy of the notebook's SMOKE_SWEEP with `changes` applied to every run."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / figures.notebook_parameters(nb)["SMOKE_SWEEP"]).read_text())
+    doc["runs"] = [{**run, **changes} for run in doc["runs"]]
+    path = tmp_path / "smoke.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number", SMOKE_RUN)
+def test_smoke_mode_runs_the_tiny_sweep(number, tmp_path):
+    (nb,) = figures.notebooks([number])
+    smoke = tmp_path / "smoke-records"
+    overrides = {"SMOKE_RESULTS": str(smoke)}
+    if number in SHORTER:
+        overrides["SMOKE_SWEEP"] = _shorter_sweep(nb, tmp_path, SHORTER[number])
+    dest = figures.execute(nb, "smoke", figures=str(tmp_path / "figures"), executed=str(tmp_path),
+                           overrides=overrides)
+    assert dest.exists() and (tmp_path / "figures" / f"{nb.stem}.png").exists()
+    source = figures.describe(figures.sources(nb, "smoke", overrides)
+                              if number != "03" else [smoke / "calibration.json"])
+    assert source.startswith("smoke data"), source
+
+
+def test_cli_run_modes_exclude_each_other():
+    from dos import cli
+
+    assert cli.main(["run", "--rerun", "--smoke"]) == 2
