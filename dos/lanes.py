@@ -46,7 +46,6 @@ class Lanes:
         self.free: List = [None] * len(dev.slots)
         device = dev.params[0].device if dev.params else torch.device("cpu")
         self.step_t = [torch.zeros((), device=device) for _ in layout.buckets]
-        self.scale_t = torch.ones((), device=device)
 
     def run(self, hyper: Sequence[Hyper], scale_t: Optional[torch.Tensor], scale: float) -> None:
         """One update phase. `scale_t`/`scale`: gradient divisor (clipping) on device / host."""
