@@ -195,9 +195,11 @@ def results_table(root="experiments/results") -> str:
              "| peak GPU (GiB) | peak host (GiB) | GPU | date | records |",
              "|---|---|---:|---|---:|---:|---:|---:|---|---|---|"]
     for model, g in df.groupby("model", sort=False):
-        ref = g[g["key"] == "deepspeed-zero-offload"]["iter_s"]
+        ref = g[g["key"] == "deepspeed-zero-offload"]
         for _, r in g.iterrows():
-            speed = f"{ref.iloc[0] / r['iter_s']:.2f}x" if len(ref) else ""
+            # a ratio only side by side: the same sweep (one device call, one machine)
+            same = ref[ref["results_dir"] == r["results_dir"]]["iter_s"]
+            speed = f"{same.iloc[0] / r['iter_s']:.2f}x" if len(same) else ""
             lines.append(
                 f"| {model} | {_system(r)} | {r['iter_s']:.3f} | {r['fwd_s']:.2f} / {r['bwd_s']:.2f} / "
                 f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {speed} | {_num(r['peak_gpu_gib'])} | "
@@ -227,10 +229,21 @@ def _num(x) -> str:
     return "" if x != x or x is None else f"{x:.1f}"
 
 
-def write_results_table(path) -> Path:
+README_BLOCK = ("<!-- results:begin -->", "<!-- results:end -->")
+
+
+def write_results_table(path, readme="README.md") -> Path:
+    """The table into `path`, and into the README between its README_BLOCK markers (if any)."""
     path = R.resolve(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(results_table())
+    table = results_table()
+    path.write_text(table)
+    readme = R.resolve(readme)
+    if readme.exists():
+        text, (begin, end) = readme.read_text(), README_BLOCK
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            readme.write_text(f"{head}{begin}\n{table}{end}{rest.split(end, 1)[1]}")
     return path
 
 

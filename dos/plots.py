@@ -191,6 +191,8 @@ def _speedups(ax, d: pd.DataFrame, ours: str = "dos-interleaved", ref: str = "de
     a = d[d["key"] == ours].set_index("model")
     b = d[d["key"] == ref].set_index("model")
     for model in a.index.intersection(b.index):
+        if a.loc[model, "results_dir"] != b.loc[model, "results_dir"]:
+            continue  # a ratio only side by side: the same sweep (one device call, one machine)
         s = b.loc[model, "iter_s"] / a.loc[model, "iter_s"]
         ax.annotate(f"{label(ours)}\n{s:.1f}x faster", (b.loc[model, "params_b"], b.loc[model, "iter_s"]),
                     textcoords="offset points", xytext=(8, -6), fontsize=7, color=PALETTE[ours])
