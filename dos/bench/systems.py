@@ -84,7 +84,6 @@ class DosSystem(_Base):
         super().__init__(spec, model)
         try:
             import dos
-            from dos import adam as dos_adam
             engine_cls = dos.DeepOptimizerStates
         except (ImportError, AttributeError) as e:
             raise RuntimeError(f"dos engine not available: {type(e).__name__}: {e}") from e
@@ -94,17 +93,16 @@ class DosSystem(_Base):
         self.opt = engine_cls(model.parameters(), lr=spec.lr, betas=BETAS, eps=EPS,
                               weight_decay=spec.weight_decay, placement=spec.placement,
                               trace=spec.trace, **kw)
-        self._cpu_impl = dos_adam.cpu_impl()
 
     def step(self):
         self.opt.step()
         self.opt.zero_grad()
 
     def describe(self):
-        plan = self.opt.plan.to_record()
-        return {"plan": plan, "config": {"engine": self.opt.config.to_record()},
-                "predicted_step_s": plan.get("predicted_step_s"), "cpu_impl": self._cpu_impl,
-                "host_bytes_per_param": self.opt.host_bytes_per_param}
+        d = self.opt.describe()  # the optimizer's own record: plan, config, kernel, host bytes
+        return {"plan": d["plan"], "config": {"engine": d["config"]},
+                "predicted_step_s": d["plan"]["predicted_step_s"], "cpu_impl": d["cpu_impl"],
+                "host_bytes_per_param": d["host_bytes_per_param"]}
 
     def timeline(self):
         return list(self.opt.timeline()) if self.spec.trace else []
