@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call, in three parts, each optional (empty string skips):
+#   bash experiments/scripts/h200_call.sh SECONDS "PYTEST_ARGS" "NOTEBOOKS" [SWEEP.yaml[:WHERE] ...]
+# - PYTEST_ARGS: `pytest -m gpu` on these test files (log in $OUT/pytest-gpu.log)
+# - NOTEBOOKS: `python -m dos run --rerun --only NOTEBOOKS` (papermill; each notebook runs its
+#   sweeps, resumably, into experiments/results/, then plots)
+# - SWEEP...: `python -m dos sweep` (after `python -m dos calibrate --cached`)
+# Everything under experiments/results and figures/ that changed comes back in $OUT/results.tar.gz,
+# also when the budget runs out mid-sweep (the run in flight is lost; the sweep resumes next call).
+set -u
+budget=$1; pytest_args=$2; notebooks=$3; shift 3
+start=$(date +%s)
+left() { echo $(( budget - ($(date +%s) - start) )); }
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
+touch /tmp/stamp
+{ nvidia-smi -L; nproc; free -g; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'; } > $OUT/machine.txt 2>&1
+if [ -n "$pytest_args" ]; then
+  timeout $(( $(left) - 30 )) python3 -m pytest -q -m gpu --timeout 120 -p no:cacheprovider $pytest_args > $OUT/pytest-gpu.log 2>&1
+  echo "pytest rc=$?"; tail -4 $OUT/pytest-gpu.log
+fi
+if [ -n "$notebooks" ]; then
+  timeout -k 10 $(( $(left) - 25 )) python3 -m dos run --rerun --only $notebooks > $OUT/run.log 2>&1
+  echo "dos run rc=$?"; tail -15 $OUT/run.log
+fi
+if [ $# -gt 0 ]; then
+  timeout 60 python3 -m dos calibrate --cached > $OUT/calibration.txt 2>&1; echo "calibrate rc=$?"
+  for arg in "$@"; do
+    file=${arg%%:*}; where=""; [ "$arg" != "$file" ] && where="--where ${arg#*:}"
+    timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where --no-progress >> $OUT/sweeps.log 2>&1
+    echo "sweep $file rc=$?"; tail -3 $OUT/sweeps.log
+  done
+fi
+pkill -f ipykernel_launcher; pkill -f "dos.bench"; sleep 2
+find experiments/results figures -newer /tmp/stamp -type f > /tmp/changed
+tar -czf $OUT/results.tar.gz -T /tmp/changed; echo "packed $(wc -l < /tmp/changed) files"; du -sh $OUT/results.tar.gz
