@@ -140,6 +140,18 @@ class HostArena:
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
             self._registered = list(pool.map(register, self.blocks.values()))
 
+    def release(self, s: int) -> None:
+        """Give subgroup s's block back to the OS (its state now lives on the GPU). The caller
+        makes sure no copy still reads or writes the block."""
+        b = self.blocks.pop(s)
+        del self.state[s], self.grad[s]
+        ptr = self.bytes.data_ptr() + b.offset
+        if ptr in self._registered:
+            _cudart().cudaHostUnregister(ptr)
+            self._registered.remove(ptr)
+        self._map.madvise(mmap.MADV_DONTNEED, b.offset, b.nbytes)
+        self.nbytes -= b.nbytes
+
     def close(self) -> None:
         if self._registered:
             cudart = _cudart()
@@ -172,8 +184,29 @@ class DeviceBuffers:
         n = layout.subgroup_numel
         self.slots = [torch.empty(3 * n, dtype=torch.float32, device=device) for _ in range(n_slots)]
         # Widening a low-precision gradient for any GPU update (staged or resident).
-        needs_scratch = (n_slots > 0 or bool(self.resident)) and any(d != torch.float32 for d in dtypes)
-        self.scratch = torch.empty(n if needs_scratch else 0, dtype=torch.float32, device=device)
+        self._low = any(d != torch.float32 for d in dtypes)
+        self.scratch = torch.empty(0, dtype=torch.float32, device=device)
+        if n_slots > 0 or self.resident:
+            self._need_scratch(n)
+
+    def _need_scratch(self, n: int) -> None:
+        if self._low and self.scratch.numel() < n:
+            self.scratch = torch.empty(n, dtype=torch.float32, device=self.scratch.device)
+
+    def add_resident(self, s: int, state: torch.Tensor) -> None:
+        """Make subgroup s resident: its state (3n fp32, on the host) is copied to the device."""
+        self.resident[s] = state.to(self.scratch.device, copy=True)
+        self._need_scratch(len(state) // 3)
+
+    def keep_slots(self, n: int) -> None:
+        """Keep the first n staging slots; the others' memory goes back to the allocator (which
+        hands it to resident state of the same size)."""
+        del self.slots[n:]
+
+    @property
+    def transient_bytes(self) -> int:
+        """Bytes of the staging slots and the scratch: GPU memory a new plan may spend otherwise."""
+        return sum(t.numel() * t.element_size() for t in self.slots + [self.scratch])
 
     def param(self, layout: Layout, s: int) -> torch.Tensor:
         sg = layout.subgroups[s]

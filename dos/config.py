@@ -58,8 +58,11 @@ class EngineConfig:
     stride: Union[int, str] = "auto"
     """Update stride k >= 1 of "interleaved": every k-th non-resident subgroup is updated on the GPU;
     "auto" lets the planner choose."""
-    gpu_fraction: float = 0.0
-    """Share of the optimizer state kept resident on the GPU ("static" and "interleaved"), in [0, 1]."""
+    gpu_fraction: Union[float, str] = 0.0
+    """Share of the optimizer state kept resident on the GPU ("static" and "interleaved"), in [0, 1];
+    or "auto": at the first step the performance model sizes the resident share (and the staging
+    slots) from the GPU memory left free at the iteration's peak (CUDA with a calibration of this
+    machine; otherwise nothing is resident)."""
     subgroup_numel: Optional[int] = None
     """Elements per subgroup (None: chosen from the model size)."""
     max_grad_norm: Optional[float] = None
@@ -85,8 +88,13 @@ class EngineConfig:
         if self.stride != "auto" and (not isinstance(self.stride, int) or isinstance(self.stride, bool)
                                       or self.stride < 1):
             raise ValueError(f"stride must be an int >= 1 or 'auto', got {self.stride!r}")
-        if not (isinstance(self.gpu_fraction, (int, float)) and 0.0 <= self.gpu_fraction <= 1.0):
-            raise ValueError(f"gpu_fraction must be in [0, 1], got {self.gpu_fraction!r}")
+        f = self.gpu_fraction
+        if f == "auto":
+            if self.placement not in ("interleaved", "static"):
+                raise ValueError(f"gpu_fraction='auto' applies to placement 'interleaved' or "
+                                 f"'static', not {self.placement!r}")
+        elif isinstance(f, bool) or not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
+            raise ValueError(f"gpu_fraction must be in [0, 1] or 'auto', got {f!r}")
         if self.placement == "cpu" and self.gpu_fraction:
             raise ValueError("placement='cpu' keeps no state on the GPU: gpu_fraction must be 0 "
                              "(use placement='static' for a resident share)")
@@ -99,6 +107,11 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads!r}")
         if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
             raise ValueError(f"staging_slots must be an int >= 1, got {self.staging_slots!r}")
+
+    @property
+    def fixed_fraction(self) -> float:
+        """The resident share the first plan is made with ("auto": none until the first step)."""
+        return 0.0 if self.gpu_fraction == "auto" else float(self.gpu_fraction)
 
     def to_record(self) -> dict:
         return dataclasses.asdict(self)

@@ -7,6 +7,7 @@ per-bucket buffers, so that each subgroup's weights and gradients move in one co
 from __future__ import annotations
 
 import os
+from fractions import Fraction
 from typing import Iterable, List, Optional
 
 import torch
@@ -73,10 +74,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
         self._refining = (cfg.replan and cfg.placement == "interleaved" and cfg.stride == "auto"
                           and self.calibration is not None)
+        # gpu_fraction="auto": the resident share is chosen at the first step, once the
+        # iteration's peak GPU memory is known.
+        self._sizing = cfg.gpu_fraction == "auto" and self.calibration is not None
         self._sync = make_sync(device, timing=cfg.trace or self._refining)
         self._tl = Timeline(self._sync, trace=cfg.trace, measure=self._refining)
         n_slots = self.plan.staging_slots if STAGED in self.plan.lanes else 0
-        if self._refining:  # re-planning may stage subgroups later even if this plan does not
+        if self._refining or (self._sizing and cfg.placement == "interleaved"):
+            # re-planning may stage subgroups later even if this plan does not
             n_slots = max(n_slots, cfg.staging_slots)
         self._dev = DeviceBuffers(self.layout, self.plan.lanes, dtypes, device, n_slots)
         self._host = HostArena(blocks, nbytes,
@@ -99,7 +104,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         plan carries its predicted update-phase time."""
         cfg, calib = self.config, self.calibration
         plan = make_plan(self.layout, placement=cfg.placement, stride=cfg.stride,
-                         gpu_fraction=cfg.gpu_fraction, cpu_threads=cfg.cpu_threads or default_threads(),
+                         gpu_fraction=cfg.fixed_fraction, cpu_threads=cfg.cpu_threads or default_threads(),
                          staging_slots=cfg.staging_slots)
         if calib is None:
             return plan
@@ -146,7 +151,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                beta2=float(group["betas"][1]), eps=float(group["eps"]),
                                weight_decay=float(group["weight_decay"]), step=self._steps[b.group]))
         self._tl.begin(max(self._steps), earlier=self._grads.take_spans())
-        if self._refining:
+        if self._sizing:
+            self._sizing = False
+            self._size_resident()
+        elif self._refining:
             self._refine()
         scale_t, scale = self._clip_scale()
         self._lanes.run(hyper, scale_t, scale)
@@ -168,13 +176,47 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if better is not None:
             self._set_plan(better[0].replace(source="replan"))
 
-    def _set_plan(self, plan) -> None:
-        if plan.resident != self.plan.resident or plan.staging_slots > len(self._dev.slots):
+    def _size_resident(self) -> None:
+        """gpu_fraction="auto", at the first step: the performance model's plan for the GPU memory
+        left free at the peak of the iteration just run (resident share, staging slots, stride
+        where it is "auto", threads); the new resident subgroups move to the GPU and their host
+        blocks are released. Runs once, outside the steady-state loop (it synchronizes)."""
+        free = _free_device_bytes(self._dev)
+        if free is None:
+            return
+        cfg, layout = self.config, self.layout
+        if cfg.placement == "static":
+            staged_shares = [Fraction(0)]
+        else:
+            staged_shares = None if cfg.stride == "auto" else [Fraction(1, cfg.stride)]
+        try:
+            plan, _ = perfmodel.choose(
+                self.plan.numels, self.calibration, free_gpu_bytes=free,
+                max_threads=cfg.cpu_threads or default_threads(), staging_slots=len(self._dev.slots),
+                subgroup_numel=layout.subgroup_numel, grad_bytes=self._itemsize,
+                param_bytes=self._itemsize, placement=cfg.placement, staged_shares=staged_shares)
+        except ValueError:
+            return  # nothing of that shape fits: keep the plan
+        self._sync.synchronize()  # no copy still reads a slot or a host block given up below
+        self._dev.keep_slots(plan.staging_slots if plan.staged_order else 0)
+        self._lanes.free = self._lanes.free[: len(self._dev.slots)]
+        for s in plan.resident:
+            if s not in self._dev.resident:
+                self._dev.add_resident(s, self._host.state[s])
+                self._host.release(s)
+        self._set_plan(plan.replace(source="perfmodel"), free_gpu_bytes=free)
+
+    def _set_plan(self, plan, free_gpu_bytes: Optional[float] = None) -> None:
+        if (plan.resident != tuple(sorted(self._dev.resident))
+                or plan.staging_slots > len(self._dev.slots)):
             raise ValueError("a new plan may move subgroups between the CPU and staged lanes only")
         self.plan = self._lanes.plan = plan
         self._grads.lanes = plan.lanes
-        self.replans.append({"step": max(self._steps), "plan": plan.to_record(),
-                             "predicted_step_s": plan.predicted_step_s})
+        entry = {"step": max(self._steps), "plan": plan.to_record(),
+                 "predicted_step_s": plan.predicted_step_s}
+        if free_gpu_bytes is not None:
+            entry["free_gpu_gib"] = round(free_gpu_bytes / 2**30, 3)
+        self.replans.append(entry)
 
     def _clip_scale(self):
         """Gradient divisor for exact global clipping over every gradient, wherever it lives."""
@@ -239,6 +281,24 @@ def _calibration(device: torch.device):
     from .calibrate import load_or_none
 
     return load_or_none()
+
+
+def _free_device_bytes(dev) -> Optional[float]:
+    """GPU memory the optimizer may still take for the rest of the run: what the iteration's peak
+    (the allocator's reservation) left free under the process's cap and on the device, minus a
+    margin, plus what its staging slots and scratch hold now (a new plan may spend it otherwise).
+    None on a CPU device."""
+    device = dev.scratch.device
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    cap = total * get_fraction(device)
+    peak, now = torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device)
+    free_now, _ = torch.cuda.mem_get_info(device)
+    headroom = min(cap - peak, free_now - (peak - now))
+    margin = max(2**30, 0.03 * cap)
+    return max(0.0, headroom - margin) + dev.transient_bytes
 
 
 def _check_params(trainable: List[List[torch.Tensor]]) -> torch.device:

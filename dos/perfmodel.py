@@ -323,12 +323,14 @@ def thread_options(calib: Calibration, max_threads: int) -> List[int]:
 def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, max_threads: int,
            staging_slots: int = 3, subgroup_numel: Optional[int] = None, grad_bytes: int = 2,
            param_bytes: int = 2, resident: Optional[int] = None,
-           placement: str = "interleaved") -> Tuple[Plan, Prediction]:
+           placement: str = "interleaved",
+           staged_shares: Optional[Sequence[Fraction]] = None) -> Tuple[Plan, Prediction]:
     """The Plan with the least predicted update phase, and its prediction.
 
     Searches the resident share (as much as `free_gpu_bytes` holds beside each slot count 0..
     `staging_slots`; or exactly `resident` subgroups), the staged share of the rest (`shares()`)
-    and the CPU threads (the calibrated counts up to `max_threads`). `free_gpu_bytes`: GPU memory
+    (or only `staged_shares`: [1/k] for a fixed stride k, [0] for no staged lane) and the CPU
+    threads (the calibrated counts up to `max_threads`). `free_gpu_bytes`: GPU memory
     the optimizer may still take for the whole run (free at the iteration's peak, minus a margin).
     Ties go to fewer threads. Without GPU rates only all-CPU plans are considered."""
     numels = tuple(numels)
@@ -337,9 +339,12 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
         memory = memory_options(numels, free_gpu_bytes, staging_slots, sg, grad_bytes, resident)
     else:
         memory = [(0, 0)]
+    searched = shares() if staged_shares is None else [Fraction(x) for x in staged_shares]
     best = None
     for r, slots in memory or [(0, 0)]:
-        for share in (shares() if slots and r < len(numels) else [Fraction(0)]):
+        if r < len(numels) and not slots and 0 not in searched:
+            continue  # the staged share asked for needs a staging slot
+        for share in (searched if slots and r < len(numels) else [Fraction(0)]):
             for t in thread_options(calib, max_threads):
                 plan = build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
                                   staging_slots=slots, placement=placement)
@@ -347,6 +352,9 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
                 key = (pred.total_s, t, -r)
                 if best is None or key < best[0]:
                     best = (key, plan, pred)
+    if best is None:
+        raise ValueError(f"no plan with staged shares {[str(x) for x in searched]} fits "
+                         f"{free_gpu_bytes / 2**30:.2f} GiB of free GPU memory")
     _, plan, pred = best
     return plan.replace(predicted_step_s=pred.total_s), pred
 

@@ -66,8 +66,11 @@ def has_records(path: Path) -> bool:
 
 # ---------------------------------------------------------------- rows
 
-def system_key(system: str, placement: Optional[str]) -> str:
-    """The colour key of a row: `dos-<placement>` for dos, the system name otherwise."""
+def system_key(system: str, placement: Optional[str], gpu_fraction=None) -> str:
+    """The colour key of a row: `dos-auto` for dos with gpu_fraction "auto" (the model sizes the
+    resident share), `dos-<placement>` for other dos rows, the system name otherwise."""
+    if system == "dos" and gpu_fraction == "auto":
+        return "dos-auto"
     return f"dos-{placement}" if system == "dos" and placement else system
 
 
@@ -90,10 +93,11 @@ def _spec_fields(text: str) -> dict:
 
 
 def _derive(df: pd.DataFrame) -> pd.DataFrame:
-    for c in NUMERIC:
+    fractions = df["gpu_fraction"] if "gpu_fraction" in df else [None] * len(df)
+    df["key"] = [system_key(s, p or None, f) for s, p, f in zip(df["system"], df["placement"], fractions)]
+    for c in NUMERIC:  # after the key: gpu_fraction "auto" is no number
         if c in df:
             df[c] = pd.to_numeric(df[c].replace("", None), errors="coerce")
-    df["key"] = [system_key(s, p or None) for s, p in zip(df["system"], df["placement"])]
     plan = pd.DataFrame([{**_plan_fields(p), **_spec_fields(c)} for p, c in zip(df["plan"], df["config"])],
                         index=df.index, columns=[*_plan_fields(""), *_spec_fields("")])
     df = pd.concat([df, plan.apply(pd.to_numeric, errors="coerce")], axis=1)

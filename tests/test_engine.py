@@ -351,3 +351,78 @@ def test_online_refinement_replans_from_measured_lane_times(monkeypatch):
     assert max_diff(a, b) <= 1e-5
     no = dos.DeepOptimizerStates(make_model("odd").parameters(), stride="auto", replan=False)
     assert not no._refining
+
+
+@pytest.mark.parametrize("placement,stride", [("interleaved", "auto"), ("interleaved", 2), ("static", None)])
+@pytest.mark.parametrize("free_subgroups", [None, 0, 3.5, 1000])
+def test_auto_gpu_fraction_sizes_resident_state_from_free_memory(monkeypatch, placement, stride,
+                                                                 free_subgroups):
+    """gpu_fraction='auto': at the first step the model fills the GPU memory left free at the
+    peak with resident state (slots and scratch count against it), the stride setting is kept,
+    the resident subgroups' host blocks are released, and the result stays the oracle's,
+    through a checkpoint round trip."""
+    import dos.engine
+    from dos.perfmodel import DESIGN_H200
+
+    sg_numel = 500
+    sg_bytes = 12 * sg_numel
+    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    budget = []  # the free bytes the engine was told
+
+    def free(dev):
+        # None: nothing free at all (not even what the slots hold now); else that many subgroups'
+        # state beside the slots and scratch
+        budget.append(0 if free_subgroups is None else free_subgroups * sg_bytes + dev.transient_bytes)
+        return budget[-1]
+
+    monkeypatch.setattr(dos.engine, "_free_device_bytes", free)
+    kw = dict(subgroup_numel=sg_numel, placement=placement, gpu_fraction="auto", cpu_threads=16,
+              replan=False)  # one plan choice, at the first step: resume is bitwise
+    if stride is not None:
+        kw["stride"] = stride
+    a, opt, b, ref = pair("transformer", **kw)
+    n = len(opt.layout.subgroups)
+    host_before = opt.host_bytes
+    assert not opt.plan.resident
+    train("transformer", a, opt, 1)
+    train("transformer", b, ref, 1)
+    plan = opt.plan
+    r = len(plan.resident)
+    assert plan.resident == tuple(range(r)) and sorted(opt._dev.resident) == list(plan.resident)
+    gpu_bytes = 12 * sum(plan.numels[s] for s in plan.resident) + opt._dev.transient_bytes
+    chosen = bool(opt.replans)  # else nothing of the asked shape fit: the plan was kept
+    assert len(budget) == 1 and (gpu_bytes <= budget[0] or not chosen)  # it fits what was free
+    if free_subgroups == 1000:
+        assert r == n and opt.host_bytes == 0  # everything fits: all resident
+    elif free_subgroups is None:  # no room even for the slots: the CPU does it all, or a fixed
+        assert r == 0 and (not opt._dev.slots) == chosen  # stride keeps its plan
+    else:
+        assert 0 <= r <= free_subgroups + 3 and (opt.host_bytes < host_before) == (r > 0)
+    if placement == "static":
+        assert not plan.staged_order
+    elif stride == 2 and r < n:
+        assert plan.stride == 2 and plan.staged_order
+    if chosen:
+        assert opt.replans[0]["free_gpu_gib"] is not None and plan.source == "perfmodel"
+    train("transformer", a, opt, 5, start=1)
+    train("transformer", b, ref, 5, start=1)
+    assert max_diff(a, b) <= 1e-5
+    # The state dict (resident and host state alike) resumes bitwise in a fresh optimizer.
+    c = copy.deepcopy(a)
+    opt2 = dos.DeepOptimizerStates(c.parameters(), **kw)
+    opt2.load_state_dict(opt.state_dict())
+    train("transformer", a, opt, 3, start=6)
+    train("transformer", c, opt2, 3, start=6)
+    assert max_diff(a, c) == 0
+
+
+def test_auto_gpu_fraction_rejects_placements_without_resident_state():
+    with pytest.raises(ValueError, match="gpu_fraction='auto'"):
+        dos.DeepOptimizerStates(make_model("odd").parameters(), placement="cpu", gpu_fraction="auto")
+    with pytest.raises(ValueError, match="gpu_fraction"):
+        dos.DeepOptimizerStates(make_model("odd").parameters(), gpu_fraction="half")
+    # Without a calibration (a CPU machine) nothing becomes resident, and it still trains exactly.
+    a, opt, b, ref = pair("odd", subgroup_numel=97, gpu_fraction="auto")
+    train("odd", a, opt, 3)
+    train("odd", b, ref, 3)
+    assert not opt.plan.resident and max_diff(a, b) <= 1e-5

@@ -52,8 +52,9 @@ class RunSpec:
     """dos only: cpu | static | interleaved | gpu."""
     stride: Optional[Union[int, str]] = None
     """dos interleaved only: update stride k >= 1 or "auto" (default)."""
-    gpu_fraction: Optional[float] = None
-    """dos static/interleaved: share of the optimizer state resident on the GPU."""
+    gpu_fraction: Optional[Union[float, str]] = None
+    """dos static/interleaved: share of the optimizer state resident on the GPU, or "auto" (sized by
+    the performance model from the GPU memory free at the first step's peak)."""
     ratio: Optional[float] = None
     """DeepSpeed: share of the optimizer state on the CPU (TwinFlow's knob; 1.0 = full offload)."""
     subgroup_numel: Optional[int] = None
@@ -210,9 +211,10 @@ def _validate_system(s: RunSpec) -> None:
                                        or s.stride < 1):
                 raise ConfigError(f"stride must be an int >= 1 or 'auto', got {s.stride!r}")
         f = s.gpu_fraction
-        _check_type("gpu_fraction", f, (int, float), "a number in [0, 1]")
-        if f is not None and not 0 <= f <= 1:
-            raise ConfigError(f"gpu_fraction must be in [0, 1], got {f}")
+        if f != "auto":
+            _check_type("gpu_fraction", f, (int, float), "a number in [0, 1] or 'auto'")
+            if f is not None and not 0 <= f <= 1:
+                raise ConfigError(f"gpu_fraction must be in [0, 1] or 'auto', got {f}")
         if f and s.placement in ("cpu", "gpu"):
             raise ConfigError(f"impossible configuration: placement {s.placement!r} takes no "
                               f"gpu_fraction (got {f}); use placement 'static' for a resident share")
