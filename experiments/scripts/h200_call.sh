@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call, in three parts, each optional (empty string skips):
-#   bash experiments/scripts/h200_call.sh SECONDS "PYTEST_ARGS" "NOTEBOOKS" [SWEEP.yaml[:WHERE] ...]
+#   bash experiments/scripts/h200_call.sh SECONDS "PYTEST_ARGS" "NOTEBOOKS" [SWEEP.yaml[:WHERE[&WHERE]] ...]
+#   (WHERE: KEY=VALUE without spaces, e.g. model=3B&system=[dos,torch-gpu])
 # - PYTEST_ARGS: `pytest -m gpu` on these test files (log in $OUT/pytest-gpu.log)
 # - NOTEBOOKS: `python -m dos run --rerun --only NOTEBOOKS` (papermill; each notebook runs its
 #   sweeps, resumably, into experiments/results/, then plots)
@@ -27,7 +28,8 @@ fi
 if [ $# -gt 0 ]; then
   timeout 60 python3 -m dos calibrate --cached > $OUT/calibration.txt 2>&1; echo "calibrate rc=$?"
   for arg in "$@"; do
-    file=${arg%%:*}; where=""; [ "$arg" != "$file" ] && where="--where ${arg#*:}"
+    file=${arg%%:*}; where=""
+    [ "$arg" != "$file" ] && for w in $(echo "${arg#*:}" | tr '&' ' '); do where="$where --where $w"; done
     timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where --no-progress >> $OUT/sweeps.log 2>&1
     echo "sweep $file rc=$?"; tail -3 $OUT/sweeps.log
   done
