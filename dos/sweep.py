@@ -146,7 +146,9 @@ def host_bytes_estimate(spec: RunSpec) -> tuple:
     n = preset(spec.model, spec.model_overrides).n_params()
     s = spec.system
     if s == "dos":
-        share = 0.0 if spec.placement == "gpu" else 1.0 - (spec.gpu_fraction or 0.0)
+        # gpu_fraction "auto" starts with all state on the host (the resident share is sized later)
+        fixed = 0.0 if spec.gpu_fraction == "auto" else spec.gpu_fraction or 0.0
+        share = 0.0 if spec.placement == "gpu" else 1.0 - fixed
         host_bpp = 14.0 * share  # fp32 master + 2 moments + bf16 gradient slot
     elif s in ("deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload"):
         host_bpp = 20.0 * spec.ratio  # DeepSpeed measured 19.6 B/param at 6.7B (DESIGN.md §1-2)
