@@ -23,6 +23,7 @@ from .streams import make_sync
 from .trace import Timeline
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REPLAN_DRIFT = 0.02  # re-plan once a rate has moved this much since the last search
 
 
 def default_threads() -> int:
@@ -74,6 +75,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
         self._refining = (cfg.replan and cfg.placement == "interleaved" and cfg.stride == "auto"
                           and self.calibration is not None)
+        self._searched = self.calibration  # the rates the current plan was searched under
         # gpu_fraction="auto": the resident share is chosen at the first step, once the
         # iteration's peak GPU memory is known.
         self._sizing = cfg.gpu_fraction == "auto" and self.calibration is not None
@@ -171,6 +173,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         kw = dict(grad_bytes=self._itemsize, param_bytes=self._itemsize)
         self.calibration = perfmodel.update(self.calibration, self.plan, totals, **kw)
+        # The search costs 50-100 ms of host time at 3B-7B, in the CPU lane's path: search again
+        # only once the rates moved since the last search (they settle within a few steps).
+        if perfmodel.drift(self._searched, self.calibration) < REPLAN_DRIFT:
+            return
+        self._searched = self.calibration
         better = perfmodel.replan(self.plan, self.calibration, staging_slots=len(self._dev.slots),
                                   max_threads=self.config.cpu_threads or default_threads(), **kw)
         if better is not None:

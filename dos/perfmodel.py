@@ -38,6 +38,7 @@ from .plan import CPU, RESIDENT, STAGED, Plan
 STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq, each way per staged element
 SCRATCH_BYTES = 4  # fp32 widening buffer of a low-precision gradient, per subgroup element
 MAX_STRIDE = 16
+THREAD_MARGIN = 0.05  # a plan with fewer CPU threads must be predicted this much faster
 
 
 @dataclass(frozen=True)
@@ -100,19 +101,22 @@ class Calibration:
     def key(self) -> str:
         return machine_key(self.gpu_name, self.cpu_model, self.torch_version)
 
+    # Rates against the thread count are read through a monotone envelope: more CPU threads never
+    # update slower and never copy faster. Single calibration points are noisy (10-20% seen on the
+    # H200 host: 12 threads measured slower than 8), and a dip would make the planner pick it.
     def cpu(self, threads: int, dma: bool = False) -> float:
         """CPU AdamW elements/s at `threads` (alone, or while duplex DMA runs)."""
         ys = self.cpu_rate_dma if dma and self.cpu_rate_dma is not None else self.cpu_rate
-        return _interp(self.cpu_threads, ys, threads)
+        return _interp(self.cpu_threads, _running(ys, max), threads)
 
     def h2d_cpu(self, threads: int) -> float:
         """Duplex H2D bytes/s while the CPU lane runs with `threads`."""
         ys = self.h2d_bw_cpu
-        return _interp(self.cpu_threads, ys, threads) if ys is not None else self.h2d_duplex_bw
+        return _interp(self.cpu_threads, _running(ys, min), threads) if ys is not None else self.h2d_duplex_bw
 
     def d2h_cpu(self, threads: int) -> float:
         ys = self.d2h_bw_cpu
-        return _interp(self.cpu_threads, ys, threads) if ys is not None else self.d2h_duplex_bw
+        return _interp(self.cpu_threads, _running(ys, min), threads) if ys is not None else self.d2h_duplex_bw
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -129,6 +133,27 @@ def machine_key(gpu_name: Optional[str], cpu_model: str, torch_version: str) -> 
     """File-name-safe key of a machine profile: GPU, CPU model, torch version."""
     parts = (gpu_name or "nogpu", cpu_model or "cpu", "torch" + torch_version)
     return "__".join(re.sub(r"[^A-Za-z0-9.]+", "-", p).strip("-") for p in parts)
+
+
+def _running(ys: Sequence[float], f) -> List[float]:
+    """Running max (f=max) or min (f=min) of `ys`: the monotone envelope of a noisy curve."""
+    out: List[float] = []
+    for y in ys:
+        out.append(y if not out else f(out[-1], y))
+    return out
+
+
+def drift(a: Calibration, b: Calibration) -> float:
+    """Largest relative difference between the rates of two calibrations (0: the same)."""
+    worst = 0.0
+    for name in ("cpu_rate", "cpu_rate_dma", "h2d_bw_cpu", "d2h_bw_cpu", "gpu_rate", "h2d_bw",
+                 "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x is None or y is None:
+            continue
+        for u, v in zip(*((x, y) if isinstance(x, tuple) else ((x,), (y,)))):
+            worst = max(worst, abs(v - u) / u)
+    return worst
 
 
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -323,16 +348,18 @@ def thread_options(calib: Calibration, max_threads: int) -> List[int]:
 def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, max_threads: int,
            staging_slots: int = 3, subgroup_numel: Optional[int] = None, grad_bytes: int = 2,
            param_bytes: int = 2, resident: Optional[int] = None,
-           placement: str = "interleaved",
-           staged_shares: Optional[Sequence[Fraction]] = None) -> Tuple[Plan, Prediction]:
+           placement: str = "interleaved", staged_shares: Optional[Sequence[Fraction]] = None,
+           threads: Optional[Sequence[int]] = None) -> Tuple[Plan, Prediction]:
     """The Plan with the least predicted update phase, and its prediction.
 
     Searches the resident share (as much as `free_gpu_bytes` holds beside each slot count 0..
     `staging_slots`; or exactly `resident` subgroups), the staged share of the rest (`shares()`)
     (or only `staged_shares`: [1/k] for a fixed stride k, [0] for no staged lane) and the CPU
-    threads (the calibrated counts up to `max_threads`). `free_gpu_bytes`: GPU memory
+    threads (the calibrated counts up to `max_threads`, or `threads`). `free_gpu_bytes`: GPU memory
     the optimizer may still take for the whole run (free at the iteration's peak, minus a margin).
-    Ties go to fewer threads. Without GPU rates only all-CPU plans are considered."""
+    Fewer threads than `max_threads` only for a predicted gain above THREAD_MARGIN: the thread
+    dimension is where the calibration is least sure (on the H200 host a 1.5% predicted gain of 8
+    threads over 16 measured 15% slower). Without GPU rates only all-CPU plans are considered."""
     numels = tuple(numels)
     sg = subgroup_numel or max(numels, default=0)
     if calib.has_gpu:
@@ -340,18 +367,23 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
     else:
         memory = [(0, 0)]
     searched = shares() if staged_shares is None else [Fraction(x) for x in staged_shares]
-    best = None
+    threads = sorted(set(threads) | {max_threads}) if threads else thread_options(calib, max_threads)
+    best, best_all = None, None  # at max_threads; at any thread count
     for r, slots in memory or [(0, 0)]:
         if r < len(numels) and not slots and 0 not in searched:
             continue  # the staged share asked for needs a staging slot
         for share in (searched if slots and r < len(numels) else [Fraction(0)]):
-            for t in thread_options(calib, max_threads):
+            for t in threads:
                 plan = build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
                                   staging_slots=slots, placement=placement)
                 pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes)
-                key = (pred.total_s, t, -r)
-                if best is None or key < best[0]:
+                key = (pred.total_s, -t, -r)
+                if best_all is None or key < best_all[0]:
+                    best_all = (key, plan, pred)
+                if t == threads[-1] and (best is None or key < best[0]):
                     best = (key, plan, pred)
+    if best_all is not None and best_all[0][0] < (1 - THREAD_MARGIN) * best[0][0]:
+        best = best_all
     if best is None:
         raise ValueError(f"no plan with staged shares {[str(x) for x in searched]} fits "
                          f"{free_gpu_bytes / 2**30:.2f} GiB of free GPU memory")
@@ -420,6 +452,8 @@ def replan(plan: Plan, calib: Calibration, *, margin: float = 0.05, keep_memory:
         # `staging_slots` in choose_kw: the slots allocated (may exceed what this plan uses).
         choose_kw.update(resident=r, staging_slots=choose_kw.get("staging_slots", plan.staging_slots),
                          free_gpu_bytes=float("inf"))
+        # Online, the search runs in the step: only the current thread count and the most.
+        choose_kw.setdefault("threads", [plan.cpu_threads])
     new, pred = choose(plan.numels, calib, placement=plan.placement, **choose_kw)
     if current.total_s > (1 + margin) * pred.total_s:
         return new, pred

@@ -207,9 +207,7 @@ def pick_run(df: pd.DataFrame, run_id: Optional[str] = None):
 def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
     """Fig. 5: measured update phase against the performance model's prediction, per stride (and
     all-CPU); the model's choice (least predicted) starred. `dfp`: `results.predictions(...)`."""
-    d = dfp[dfp["placement"].isin(["interleaved", "cpu"])].copy()
-    d["panel"] = [m + (f", GPU capped at {c:g} GiB" if c == c else "") for m, c in
-                  zip(d["model"], d["gpu_mem_cap_gib"])]
+    d = R.stride_panels(dfp)
     panels = list(d.sort_values(["n_params", "panel"])["panel"].drop_duplicates()) or ["-"]
     fig, axes = figure(1, len(panels), w=4.3)
     for ax, panel in zip(axes[0], panels):
@@ -226,8 +224,9 @@ def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
         colors = [PALETTE[k] for k in m["key"]]
         ax.scatter(m["x"], m["step_s"], color=colors, s=36, zorder=3, label="measured")
         ax.plot(m["x"], m["predicted_s"], "s:", mfc="none", color="0.3", ms=6, label="predicted")
-        if m["predicted_s"].notna().any():
-            best = m.loc[m["predicted_s"].idxmin()]
+        fixed = m[~m["stride"].eq("auto")]  # an auto run's prediction is of its refined rates
+        if fixed["predicted_s"].notna().any():
+            best = fixed.loc[fixed["predicted_s"].idxmin()]
             ax.scatter([best["x"]], [best["predicted_s"]], marker="*", s=160, color="#ffbf00",
                        edgecolor="0.2", zorder=4, label="model's choice")
         for _, r in m[model_auto].iterrows():

@@ -269,3 +269,38 @@ def predictions(df: pd.DataFrame, calib) -> pd.DataFrame:
     out["predicted_src"] = ["recorded" if pd.notna(x) else "computed" for x in recorded]
     out["computed_s"] = computed
     return out
+
+
+def stride_panels(dfp: pd.DataFrame) -> pd.DataFrame:
+    """The stride-sweep rows of `predictions(...)` output, one panel per (model, GPU cap): dos
+    interleaved at a stride (or "auto" without a resident share) and all-CPU, from the sweep that
+    holds the most of them for that panel (a dedicated stride sweep wins over stray runs)."""
+    d = dfp[dfp["placement"].isin(["interleaved", "cpu"]) & dfp["key"].ne("dos-auto")].copy()
+    d["panel"] = [m + (f", GPU capped at {c:g} GiB" if c == c else "") for m, c in
+                  zip(d["model"], d["gpu_mem_cap_gib"])]
+    d["sweep_rows"] = d.groupby(["panel", "results_dir"])["run_id"].transform("count")
+    return d[d["sweep_rows"] == d.groupby("panel")["sweep_rows"].transform("max")]
+
+
+def stride_check(dfp: pd.DataFrame) -> pd.DataFrame:
+    """Issue 4's checks per stride-sweep panel: relative error |predicted - measured| / measured
+    of the update phase over the fixed strides and all-CPU (median, worst), the best measured
+    one, and how far the "auto" run is from it."""
+    out = []
+    for panel, m in stride_panels(dfp).groupby("panel", sort=False):
+        fixed = m[m["stride"].ne("auto")]
+        err = ((fixed["predicted_s"] - fixed["step_s"]).abs() / fixed["step_s"]).dropna()
+        best = fixed.loc[fixed["step_s"].idxmin()] if len(fixed) else None
+        auto = m[m["stride"].eq("auto")]
+        auto_s = auto["step_s"].iloc[-1] if len(auto) else float("nan")
+        out.append({"panel": panel, "sweep": Path(m["results_dir"].iloc[0]).name, "runs": len(err),
+                    "median_error": err.median(), "worst_error": err.max(),
+                    "best": "cpu" if best is not None and best["placement"] == "cpu" else
+                    (f"k={best['stride']}" if best is not None else None),
+                    "best_step_s": best["step_s"] if best is not None else float("nan"),
+                    "auto_step_s": auto_s,
+                    "auto_plan": (f"k={auto['plan_stride'].iloc[-1]:g}, {auto['cpu_threads'].iloc[-1]:g} threads"
+                                  if len(auto) and auto["plan_stride"].notna().iloc[-1] else None),
+                    "auto_vs_best": auto_s / best["step_s"] - 1 if best is not None else float("nan")})
+    return pd.DataFrame(out)
+

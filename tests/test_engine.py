@@ -426,3 +426,32 @@ def test_auto_gpu_fraction_rejects_placements_without_resident_state():
     train("odd", a, opt, 3)
     train("odd", b, ref, 3)
     assert not opt.plan.resident and max_diff(a, b) <= 1e-5
+
+
+def test_refinement_searches_only_after_the_rates_moved(monkeypatch):
+    """The plan search runs on the host in the CPU lane's path (50-100 ms at 3B-7B): once the
+    refined rates stop moving, no step pays for it."""
+    import dataclasses
+
+    import dos.engine
+    from dos import perfmodel
+    from dos.perfmodel import DESIGN_H200
+
+    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    searches, drift = [], [0.0]
+    monkeypatch.setattr(perfmodel, "update", lambda calib, *a, **k: dataclasses.replace(
+        calib, gpu_rate=calib.gpu_rate * (1 + drift[0])))
+    real = perfmodel.replan
+    monkeypatch.setattr(perfmodel, "replan", lambda *a, **k: searches.append(1) or real(*a, **k))
+    a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
+                          cpu_threads=2)
+    train("transformer", a, opt, 4)
+    assert not searches  # the rates did not move: the first plan stands
+    drift[0] = 0.05
+    train("transformer", a, opt, 2, start=4)
+    assert len(searches) == 2  # moved by 5% at each step: searched each time
+    drift[0] = 0.001
+    train("transformer", a, opt, 3, start=6)
+    assert len(searches) == 2  # 0.1% a step stays under the 2% drift until it adds up
+    train("transformer", b, ref, 9)
+    assert max_diff(a, b) <= 1e-5
