@@ -115,6 +115,24 @@ def test_recorded_predictions_are_reproduced_from_the_plan_record():
     assert (pred["computed_s"] - pred["predicted_step_s"]).abs().max() < 1e-5
 
 
+def test_stride_check_computes_issue_4_numbers_from_the_records():
+    """Figure 5's checks, recomputed from the recorded H200 rows: the model's error over the fixed
+    strides (median <= 10%, worst <= 20%: held) and the auto run against the best stride (within
+    5%: missed on 2026-12-01, by 15% and 13%)."""
+    rows = results.rows([ROOT / "experiments/results/stride-3b", ROOT / "experiments/results/stride-7b-40g"])
+    calib = results.calibration(ROOT / "experiments/results/calibration/NVIDIA-H200-20261201-074856.json")
+    chk = results.stride_check(results.predictions(rows[rows["system"] == "dos"], calib)).set_index("panel")
+    assert list(chk["runs"]) == [7, 7]  # k in 1, 2, 3, 4, 6, 8 and all-CPU; auto apart
+    assert chk.loc["3B", "median_error"] == pytest.approx(0.088, abs=1e-3)
+    assert chk.loc["3B", "worst_error"] == pytest.approx(0.141, abs=1e-3)
+    assert chk.loc["7B, GPU capped at 40 GiB", "worst_error"] == pytest.approx(0.161, abs=1e-3)
+    assert list(chk["best"]) == ["k=2", "k=2"]
+    assert chk.loc["3B", "auto_vs_best"] == pytest.approx(0.151, abs=1e-3)
+    # A model that predicts every run exactly has no error.
+    exact = results.predictions(rows[rows["system"] == "dos"], calib).assign(predicted_s=lambda d: d["step_s"])
+    assert (results.stride_check(exact)["worst_error"] == 0).all()
+
+
 def test_results_table_lists_the_gpu_records():
     table = figures.results_table()
     assert "| 1.3B | dos interleaved" in table and "DS ZeRO-Offload" in table

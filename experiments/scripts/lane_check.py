@@ -1,0 +1,109 @@
+"""Per-lane check of the performance model against recorded dos runs (no GPU needed).
+
+For each dos run of the given sweeps: the measured busy time of every lane (median over the
+measured steps of its lanes.json) beside what `dos.perfmodel.predict` gives for the run's recorded
+plan under a calibration; then, per sweep, the update phase's no-contention bound (the best plan
+when the CPU runs at its alone rate and the copies at their duplex rates whatever overlaps: the
+calibrated rates cannot do better) against the best measured update phase without resident state.
+
+    python experiments/scripts/lane_check.py SWEEP=CALIBRATION [SWEEP=CALIBRATION ...]
+
+CALIBRATION: a calibration json, or the table `python -m dos calibrate` prints (a device call's
+calibration.txt). Example (the 2026-12-01 H200 records):
+    python experiments/scripts/lane_check.py \\
+      stride-3b=experiments/results/calibration/NVIDIA-H200-20261201-074856.json \\
+      stride-7b-40g=experiments/results/gpu-tests/20261201-call3-calibration.txt
+"""
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from dos import perfmodel as pm
+from dos.plan import Plan
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+LANES = {"c": "cpu", "s": "staged", "r": "resident"}
+
+
+def load_calibration(path: str) -> pm.Calibration:
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        return pm.Calibration.from_json(text)
+    rows = [ln.split() for ln in text.splitlines() if ln.split() and ln.split()[0].isdigit()]
+    g = lambda pat: [float(x) * 1e9 for x in re.search(pat, text).groups()]  # noqa: E731
+    (gpu,), (h2d, h2d_dx), (d2h, d2h_dx) = (g(r"GPU AdamW\s+([\d.]+)"),
+                                           g(r"pinned H2D\s+([\d.]+) GB/s alone\s+([\d.]+)"),
+                                           g(r"pinned D2H\s+([\d.]+) GB/s alone\s+([\d.]+)"))
+    col = lambda i: tuple(float(r[i]) * 1e9 for r in rows)  # noqa: E731
+    return pm.Calibration(cpu_threads=tuple(int(r[0]) for r in rows), cpu_rate=col(1), cpu_rate_dma=col(2),
+                          h2d_bw_cpu=col(3), d2h_bw_cpu=col(4), gpu_rate=gpu, h2d_bw=h2d, d2h_bw=d2h,
+                          h2d_duplex_bw=h2d_dx, d2h_duplex_bw=d2h_dx)
+
+
+def run_plan(row, lanes_json) -> Plan:
+    p = json.loads(row.plan)
+    numels = [p["subgroup_numel"]] * p["n_subgroups"]
+    for step in lanes_json:
+        for e in step["events"]:
+            numels[e["subgroup"]] = e["numel"]
+    return Plan(placement=row.placement, stride=p["stride"], lanes=tuple(LANES[x] for x in p["lanes"]),
+                numels=tuple(numels), cpu_order=tuple(p["cpu_order"]), staged_order=tuple(p["staged_order"]),
+                cpu_threads=p["cpu_threads"], staging_slots=p["staging_slots"])
+
+
+def measured(lanes_json) -> pd.Series:
+    per_step = []
+    for step in lanes_json:
+        ev = [e for e in step["events"] if e["lane"] != "grad_d2h"]  # backward's, not the update's
+        t = {}
+        for e in ev:
+            t[e["lane"]] = t.get(e["lane"], 0.0) + e["end_s"] - e["start_s"]
+        t["span"] = max(e["end_s"] for e in ev)
+        per_step.append(t)
+    return pd.DataFrame(per_step).median()
+
+
+def check(sweep: str, calib: pm.Calibration):
+    runs = pd.read_csv(RESULTS / sweep / "runs.csv")
+    runs = runs[(runs.system == "dos") & (runs.status == "ok") & (runs.placement != "gpu")]
+    out, plans = [], []
+    for r in runs.itertuples():
+        lanes_json = json.loads((RESULTS / sweep / r.run_id / "lanes.json").read_text())
+        plan, m = run_plan(r, lanes_json), measured(lanes_json)
+        p = pm.predict(plan, calib)
+        plans.append(plan)
+        out.append({"sweep": sweep, "run": r.run_id, "stride": r.stride, "gpu_fraction": r.gpu_fraction,
+                    "threads": plan.cpu_threads, "step_s": r.step_s, "predicted": p.total_s,
+                    "bottleneck": p.bottleneck, **{f"{k}_meas": m.get(k) for k in ("cpu", "h2d", "d2h", "upload", "span")},
+                    "cpu_pred": p.cpu_s, "h2d_pred": p.h2d_s, "d2h_pred": p.d2h_s, "upload_pred": p.upload_s})
+    flat = dataclasses.replace(calib, cpu_rate_dma=calib.cpu_rate,
+                               h2d_bw_cpu=(calib.h2d_duplex_bw,) * len(calib.cpu_threads),
+                               d2h_bw_cpu=(calib.d2h_duplex_bw,) * len(calib.cpu_threads))
+    bound_plan, bound = pm.choose(plans[0].numels, flat, free_gpu_bytes=float("inf"), max_threads=16, resident=0)
+    no_resident = runs[pd.to_numeric(runs.gpu_fraction, errors="coerce").eq(0)]  # as the bound
+    best = no_resident.step_s.min()
+    summary = {"sweep": sweep, "bound_s": bound.total_s, "bound_stride": bound_plan.stride,
+               "best_measured_s": best, "bound_over_measured": bound.total_s / best}
+    return pd.DataFrame(out), summary
+
+
+def main(argv) -> int:
+    pd.set_option("display.width", 250)
+    tables, summaries = [], []
+    for arg in argv:
+        sweep, path = arg.split("=", 1)
+        t, s = check(sweep, load_calibration(path))
+        tables.append(t)
+        summaries.append(s)
+    print(pd.concat(tables).round(3).to_string(index=False))
+    print()
+    print(pd.DataFrame(summaries).round(3).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
