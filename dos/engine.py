@@ -205,8 +205,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         except ValueError:
             return  # nothing of that shape fits: keep the plan
         self._sync.synchronize()  # no copy still reads a slot or a host block given up below
-        self._dev.keep_slots(plan.staging_slots if plan.staged_order else 0)
-        self._lanes.free = self._lanes.free[: len(self._dev.slots)]
+        self._lanes.keep_slots(plan.staging_slots if plan.staged_order else 0)
         for s in plan.resident:
             if s not in self._dev.resident:
                 self._dev.add_resident(s, self._host.state[s])

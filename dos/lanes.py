@@ -134,6 +134,11 @@ class Lanes:
                 self.tl.gpu_end(t, "upload", "upload", s, sg.numel)
         self.grads.after_update()
 
+    def keep_slots(self, n: int) -> None:
+        """Keep the first n staging slots (the caller has synchronized: no copy uses the others)."""
+        self.dev.keep_slots(n)
+        del self.free[n:]
+
     def wait_host_state(self) -> None:
         """Block until every write-back of host state has landed (before reading it)."""
         for ev in self.written:

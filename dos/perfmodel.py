@@ -367,7 +367,8 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
     else:
         memory = [(0, 0)]
     searched = shares() if staged_shares is None else [Fraction(x) for x in staged_shares]
-    threads = sorted(set(threads) | {max_threads}) if threads else thread_options(calib, max_threads)
+    threads = (sorted({t for t in threads if t < max_threads} | {max_threads}) if threads
+               else thread_options(calib, max_threads))
     best, best_all = None, None  # at max_threads; at any thread count
     for r, slots in memory or [(0, 0)]:
         if r < len(numels) and not slots and 0 not in searched:
