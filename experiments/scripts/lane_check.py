@@ -23,10 +23,10 @@ from pathlib import Path
 import pandas as pd
 
 from dos import perfmodel as pm
-from dos.plan import Plan
+from dos import results as R
+from dos.trace import lane_totals
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-LANES = {"c": "cpu", "s": "staged", "r": "resident"}
 
 
 def load_calibration(path: str) -> pm.Calibration:
@@ -44,39 +44,22 @@ def load_calibration(path: str) -> pm.Calibration:
                           h2d_duplex_bw=h2d_dx, d2h_duplex_bw=d2h_dx)
 
 
-def run_plan(row, lanes_json) -> Plan:
-    p = json.loads(row.plan)
-    numels = [p["subgroup_numel"]] * p["n_subgroups"]
-    for step in lanes_json:
-        for e in step["events"]:
-            numels[e["subgroup"]] = e["numel"]
-    return Plan(placement=row.placement, stride=p["stride"], lanes=tuple(LANES[x] for x in p["lanes"]),
-                numels=tuple(numels), cpu_order=tuple(p["cpu_order"]), staged_order=tuple(p["staged_order"]),
-                cpu_threads=p["cpu_threads"], staging_slots=p["staging_slots"])
-
-
 def measured(lanes_json) -> pd.Series:
-    per_step = []
-    for step in lanes_json:
-        ev = [e for e in step["events"] if e["lane"] != "grad_d2h"]  # backward's, not the update's
-        t = {}
-        for e in ev:
-            t[e["lane"]] = t.get(e["lane"], 0.0) + e["end_s"] - e["start_s"]
-        t["span"] = max(e["end_s"] for e in ev)
-        per_step.append(t)
-    return pd.DataFrame(per_step).median()
+    """Median over the measured steps of each lane's busy seconds and the update phase's span."""
+    return pd.DataFrame([lane_totals([e for e in step["events"] if e["lane"] != "grad_d2h"])  # backward's
+                         for step in lanes_json]).median()
 
 
 def check(sweep: str, calib: pm.Calibration):
-    runs = pd.read_csv(RESULTS / sweep / "runs.csv")
-    runs = runs[(runs.system == "dos") & (runs.status == "ok") & (runs.placement != "gpu")]
+    runs = R.rows(RESULTS / sweep)
+    runs = runs[(runs.system == "dos") & (runs.placement != "gpu")]
     out, plans = [], []
     for r in runs.itertuples():
         lanes_json = json.loads((RESULTS / sweep / r.run_id / "lanes.json").read_text())
-        plan, m = run_plan(r, lanes_json), measured(lanes_json)
+        plan, m = R.plan_of(r._asdict()), measured(lanes_json)
         p = pm.predict(plan, calib)
         plans.append(plan)
-        out.append({"sweep": sweep, "run": r.run_id, "stride": r.stride, "gpu_fraction": r.gpu_fraction,
+        out.append({"sweep": sweep, "run": r.run_id, "system": r.key, "stride": r.stride,
                     "threads": plan.cpu_threads, "step_s": r.step_s, "predicted": p.total_s,
                     "bottleneck": p.bottleneck, **{f"{k}_meas": m.get(k) for k in ("cpu", "h2d", "d2h", "upload", "span")},
                     "cpu_pred": p.cpu_s, "h2d_pred": p.h2d_s, "d2h_pred": p.d2h_s, "upload_pred": p.upload_s})
@@ -84,7 +67,7 @@ def check(sweep: str, calib: pm.Calibration):
                                h2d_bw_cpu=(calib.h2d_duplex_bw,) * len(calib.cpu_threads),
                                d2h_bw_cpu=(calib.d2h_duplex_bw,) * len(calib.cpu_threads))
     bound_plan, bound = pm.choose(plans[0].numels, flat, free_gpu_bytes=float("inf"), max_threads=16, resident=0)
-    no_resident = runs[pd.to_numeric(runs.gpu_fraction, errors="coerce").eq(0)]  # as the bound
+    no_resident = runs[runs.gpu_fraction.eq(0)]  # as the bound
     best = no_resident.step_s.min()
     summary = {"sweep": sweep, "bound_s": bound.total_s, "bound_stride": bound_plan.stride,
                "best_measured_s": best, "bound_over_measured": bound.total_s / best}
