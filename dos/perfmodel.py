@@ -27,6 +27,7 @@ dos/lanes.py runs it (n_j: elements of subgroup j; S: staging slots; t: CPU thre
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -297,10 +298,17 @@ def spread(count: int, share: Fraction) -> Tuple[bool, ...]:
 def build_plan(numels: Sequence[int], *, resident: int, staged_share: Fraction, cpu_threads: int,
                staging_slots: int, placement: str = "interleaved") -> Plan:
     """A Plan with the first `resident` subgroups (flat order, as `plan.resident_subgroups`) resident
-    and `staged_share` of the others staged, spread over the gradient-ready order."""
+    and `staged_share` of the others staged, spread over the gradient-ready order. Memoized (Plans
+    are immutable): the online search rebuilds the same candidates every step."""
+    return _build_plan(tuple(numels), resident, Fraction(staged_share), cpu_threads, staging_slots, placement)
+
+
+@functools.lru_cache(maxsize=4096)
+def _build_plan(numels: Tuple[int, ...], resident: int, staged_share: Fraction, cpu_threads: int,
+                staging_slots: int, placement: str) -> Plan:
     n = len(numels)
     rest = [i for i in reversed(range(n)) if i >= resident]  # gradient-ready order, as make_plan
-    share = Fraction(staged_share)
+    share = staged_share
     flags = spread(len(rest), share)
     staged = [i for i, f in zip(rest, flags) if f]
     cpu = [i for i, f in zip(rest, flags) if not f]
@@ -349,13 +357,15 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
            staging_slots: int = 3, subgroup_numel: Optional[int] = None, grad_bytes: int = 2,
            param_bytes: int = 2, resident: Optional[int] = None,
            placement: str = "interleaved", staged_shares: Optional[Sequence[Fraction]] = None,
-           threads: Optional[Sequence[int]] = None) -> Tuple[Plan, Prediction]:
+           threads: Optional[Sequence[int]] = None, exact_slots: bool = False) -> Tuple[Plan, Prediction]:
     """The Plan with the least predicted update phase, and its prediction.
 
     Searches the resident share (as much as `free_gpu_bytes` holds beside each slot count 0..
     `staging_slots`; or exactly `resident` subgroups), the staged share of the rest (`shares()`)
     (or only `staged_shares`: [1/k] for a fixed stride k, [0] for no staged lane) and the CPU
-    threads (the calibrated counts up to `max_threads`, or `threads`). `free_gpu_bytes`: GPU memory
+    threads (the calibrated counts up to `max_threads`, or `threads`). `exact_slots`: only plans
+    that use all `staging_slots` (or stage nothing) — online, where the slots are allocated already
+    and fewer never predicts faster. `free_gpu_bytes`: GPU memory
     the optimizer may still take for the whole run (free at the iteration's peak, minus a margin).
     Fewer threads than `max_threads` only for a predicted gain above THREAD_MARGIN: the thread
     dimension is where the calibration is least sure (on the H200 host a 1.5% predicted gain of 8
@@ -366,6 +376,8 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
         memory = memory_options(numels, free_gpu_bytes, staging_slots, sg, grad_bytes, resident)
     else:
         memory = [(0, 0)]
+    if exact_slots:
+        memory = [(r, slots) for r, slots in memory if slots == staging_slots]
     searched = shares() if staged_shares is None else [Fraction(x) for x in staged_shares]
     threads = (sorted({t for t in threads if t < max_threads} | {max_threads}) if threads
                else thread_options(calib, max_threads))
@@ -453,8 +465,11 @@ def replan(plan: Plan, calib: Calibration, *, margin: float = 0.05, keep_memory:
         # `staging_slots` in choose_kw: the slots allocated (may exceed what this plan uses).
         choose_kw.update(resident=r, staging_slots=choose_kw.get("staging_slots", plan.staging_slots),
                          free_gpu_bytes=float("inf"))
-        # Online, the search runs in the step: only the current thread count and the most.
+        # Online, the search runs in the step: only the current thread count and the most, and
+        # only with every allocated slot (54-93 ms for a full search at 3B-7B, ~14 ms with all
+        # slot counts, a few ms like this).
         choose_kw.setdefault("threads", [plan.cpu_threads])
+        choose_kw.setdefault("exact_slots", True)
     new, pred = choose(plan.numels, calib, placement=plan.placement, **choose_kw)
     if current.total_s > (1 + margin) * pred.total_s:
         return new, pred

@@ -146,13 +146,18 @@ def defaults_only(df: pd.DataFrame) -> pd.DataFrame:
     return df[keep]
 
 
-def headline(df: pd.DataFrame) -> pd.DataFrame:
+def headline(df: pd.DataFrame, side_by_side: str = "deepspeed-zero-offload") -> pd.DataFrame:
     """Each system in its default configuration (what a user gets): `defaults_only`, dos static and
-    TwinFlow at 0.5; the latest run per (system, model), by model size and `ORDER`."""
+    TwinFlow at 0.5; one run per (system, model): from the results directory of that model's latest
+    `side_by_side` run where it has one (ratios only side by side: one call, one machine), else the
+    latest; by model size and `ORDER`."""
     df = defaults_only(df)
     keep = ((df["ratio"].isna() | df["ratio"].isin([0.5, 1.0]))
             & (df["gpu_fraction"].isna() | df["gpu_fraction"].isin([0.0, 0.5])))
-    out = df[keep].sort_values("timestamp").drop_duplicates(["key", "model"], keep="last")
+    df = df[keep].sort_values("timestamp")
+    base = df[df["key"] == side_by_side].groupby("model")["results_dir"].last()
+    df = df.assign(_side=[base.get(m) == d for m, d in zip(df["model"], df["results_dir"])])
+    out = df.sort_values(["_side", "timestamp"]).drop_duplicates(["key", "model"], keep="last").drop(columns="_side")
     rank = {k: i for i, k in enumerate(ORDER)}
     return out.assign(_r=out["key"].map(lambda k: rank.get(k, len(ORDER)))).sort_values(
         ["n_params", "_r"]).drop(columns="_r")
@@ -304,3 +309,60 @@ def stride_check(dfp: pd.DataFrame) -> pd.DataFrame:
                     "auto_vs_best": auto_s / best["step_s"] - 1 if best is not None else float("nan")})
     return pd.DataFrame(out)
 
+
+
+# ---------------------------------------------------------------- issue 7 checks
+
+NO_OFFLOAD = ("torch-gpu", "torch-cpu")  # the no-offload baselines, the GPU one first
+
+
+def _baseline(keys, baselines: Sequence[str]) -> Optional[str]:
+    return next((k for k in baselines if k in set(keys)), None)
+
+
+def microbatch_check(df: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD) -> pd.DataFrame:
+    """Issue 7, criterion 2, per (model, system): at the largest micro-batch the no-offload
+    baseline fits (an `ok` row of the first of `baselines` present), each system's iteration time
+    over the baseline's, and its update phase's share of its iteration."""
+    d = df[df["status"].eq("ok")] if "status" in df else df
+    baseline = _baseline(d["key"], baselines) if len(d) else None
+    out = []
+    for model, m in d.groupby("model", sort=False):
+        base = m[m["key"].eq(baseline)]
+        if not len(base):
+            continue
+        mb = base["micro_batch"].max()
+        b = base[base["micro_batch"].eq(mb)].iloc[-1]
+        for key, r in m[m["micro_batch"].eq(mb) & m["key"].ne(baseline)].groupby("key", sort=False):
+            r = r.iloc[-1]
+            out.append({"model": model, "micro_batch": int(mb), "key": key, "iter_s": r["iter_s"],
+                        "baseline_iter_s": b["iter_s"], "vs_baseline": r["iter_s"] / b["iter_s"] - 1,
+                        "update_share": r["step_s"] / r["iter_s"], "peak_gpu_gib": r["peak_gpu_gib"],
+                        "baseline_peak_gpu_gib": b["peak_gpu_gib"]})
+    return pd.DataFrame(out)
+
+
+def convergence_check(steps: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD, window: int = 50) -> pd.DataFrame:
+    """Issue 7, criterion 3: each system's loss curve against the no-offload baseline's (same seed,
+    same batches). Per window of `window` steps: the relative difference of the mean losses, and
+    the standard deviation of the per-step differences over the baseline loss's step-to-step noise
+    (the std of consecutive differences / sqrt 2: what one batch moves the loss). The criterion
+    held here: every window's means within 0.5% (about bf16's relative precision, 2^-8) and the
+    per-step differences below 10% of the loss noise. Empty without a baseline run."""
+    baseline = _baseline(steps["key"], baselines) if len(steps) else None
+    if baseline is None:
+        return pd.DataFrame()
+    base = steps[steps["key"].eq(baseline)].sort_values("step").set_index("step")["loss"]
+    out = []
+    for key, s in steps[steps["key"].ne(baseline)].groupby("key", sort=False):
+        s = s.drop_duplicates("step", keep="last").set_index("step")["loss"].reindex(base.index)
+        starts = list(range(0, max(len(base) - window, 0) + 1, window)) or [0]
+        for i, lo in enumerate(starts):  # the last window takes the remainder
+            hi = starts[i + 1] if i + 1 < len(starts) else len(base)
+            a, b = base.iloc[lo: hi], s.iloc[lo: hi]
+            noise = a.diff().std() / 2 ** 0.5
+            diff = b - a
+            out.append({"key": key, "steps": f"{a.index[0]}-{a.index[-1]}", "baseline_mean": a.mean(),
+                        "mean": b.mean(), "mean_rel_diff": b.mean() / a.mean() - 1,
+                        "diff_std": diff.std(), "loss_noise": noise, "diff_over_noise": diff.std() / noise})
+    return pd.DataFrame(out)

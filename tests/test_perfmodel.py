@@ -258,6 +258,27 @@ def test_replan_keeps_memory_and_needs_a_real_gain():
     assert pred.total_s * 1.05 < pm.predict(plan, slow_cpu).total_s
 
 
+def test_online_search_uses_every_allocated_slot_and_finds_what_the_full_search_finds():
+    """replan searches only plans with all allocated slots (exact_slots): on these rates the full
+    search's best plan uses them all, so nothing is lost; the plans are memoized and shared."""
+    slow_cpu = with_(H200, cpu_rate=tuple(x / 4 for x in H200.cpu_rate),
+                     cpu_rate_dma=tuple(x / 4 for x in H200.cpu_rate_dma))
+    full, _ = pm.choose(NUMELS_7B, slow_cpu, free_gpu_bytes=INF, max_threads=16, resident=0,
+                        staging_slots=3, threads=[16])
+    exact, _ = pm.choose(NUMELS_7B, slow_cpu, free_gpu_bytes=INF, max_threads=16, resident=0,
+                         staging_slots=3, threads=[16], exact_slots=True)
+    assert exact.lanes == full.lanes and exact.staging_slots == full.staging_slots == 3
+    start, _ = pm.choose(NUMELS_7B, H200, free_gpu_bytes=INF, max_threads=16, resident=0, staging_slots=3)
+    new, _ = pm.replan(start, slow_cpu, staging_slots=3, max_threads=16)
+    assert new.lanes == full.lanes and new.staging_slots == 3
+    # Only every-slot plans (or none staged) are candidates.
+    for share in pm.shares():
+        p, _ = pm.choose(NUMELS_7B, H200, free_gpu_bytes=INF, max_threads=16, resident=0, staging_slots=2,
+                         staged_shares=[share], exact_slots=True)
+        assert p.staging_slots == (2 if p.staged_order else 0)
+    assert plan_of(NUMELS_7B, F(1, 3)) is plan_of(NUMELS_7B, F(1, 3))  # memoized
+
+
 # -- Calibration ---------------------------------------------------------------------------------
 
 def test_calibration_json_roundtrip_and_validation():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, in three parts, each optional (empty string skips):
-#   bash experiments/scripts/h200_call.sh SECONDS "PYTEST_ARGS" "NOTEBOOKS" [SWEEP.yaml[:WHERE[&WHERE]] ...]
-#   (WHERE: KEY=VALUE without spaces, e.g. model=3B&system=[dos,torch-gpu])
+#   bash experiments/scripts/h200_call.sh SECONDS "PYTEST_ARGS" "NOTEBOOKS" [SWEEP.yaml[:WHERE[&WHERE]][@OUTDIR] ...]
+#   (WHERE: KEY=VALUE without spaces, e.g. model=3B&system=[dos,torch-gpu]; OUTDIR: results
+#   directory instead of experiments/results/<name>, e.g. a same-call recheck of recorded runs)
 # - PYTEST_ARGS: `pytest -m gpu` on these test files (log in $OUT/pytest-gpu.log)
 # - NOTEBOOKS: `python -m dos run --rerun --only NOTEBOOKS` (papermill; each notebook runs its
 #   sweeps, resumably, into experiments/results/, then plots)
@@ -26,11 +27,13 @@ if [ -n "$notebooks" ]; then
   echo "dos run rc=$?"; tail -15 $OUT/run.log
 fi
 if [ $# -gt 0 ]; then
-  timeout 60 python3 -m dos calibrate --cached > $OUT/calibration.txt 2>&1; echo "calibrate rc=$?"
+  timeout 60 python3 -m dos calibrate --cached --out experiments/results/calibration/NVIDIA-H200-$(date -u +%Y%m%d-%H%M%S).json \
+    > $OUT/calibration.txt 2>&1; echo "calibrate rc=$?"  # the profile the runs plan with, recorded
   for arg in "$@"; do
+    out=""; case $arg in *@*) out="--out ${arg##*@}"; arg=${arg%@*};; esac
     file=${arg%%:*}; where=""
     [ "$arg" != "$file" ] && for w in $(echo "${arg#*:}" | tr '&' ' '); do where="$where --where $w"; done
-    timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where --no-progress >> $OUT/sweeps.log 2>&1
+    timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where $out --no-progress >> $OUT/sweeps.log 2>&1
     echo "sweep $file rc=$?"; tail -3 $OUT/sweeps.log
   done
 fi
