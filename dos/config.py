@@ -81,6 +81,12 @@ class EngineConfig:
     """Page-lock the host arena (CUDA only). Off only for experiments."""
     host_memory_limit_gib: Optional[float] = None
     """Host memory the preflight may plan for (None: what the machine reports available)."""
+    overlap_backward: bool = False
+    """Start the CPU lane during backward: a CPU subgroup is updated (on a worker thread) as soon
+    as its gradient has reached the host, while backward goes on; `step()` then runs the GPU lanes
+    and whatever CPU subgroups are left. Needs `max_grad_norm=None` (clipping needs every gradient
+    first) and the step's hyperparameters set before backward; with gradient accumulation, run the
+    non-final micro-batches' backward inside `opt.accumulate()`."""
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
@@ -107,6 +113,9 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads!r}")
         if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
             raise ValueError(f"staging_slots must be an int >= 1, got {self.staging_slots!r}")
+        if self.overlap_backward and self.max_grad_norm is not None:
+            raise ValueError("overlap_backward=True needs max_grad_norm=None: clipping needs the norm "
+                             "of every gradient before any subgroup may be updated")
 
     @property
     def fixed_fraction(self) -> float:

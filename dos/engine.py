@@ -6,7 +6,9 @@ per-bucket buffers, so that each subgroup's weights and gradients move in one co
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from fractions import Fraction
 from typing import Iterable, List, Optional
 
@@ -15,6 +17,7 @@ import torch
 from . import adam, checkpoint, perfmodel
 from .buffers import DeviceBuffers, HostArena, arena_blocks, preflight, thirds
 from .config import EngineConfig, validate_hparams
+from .early import EarlyUpdates
 from .grads import GradRouter
 from .lanes import Hyper, Lanes
 from .partition import partition
@@ -45,8 +48,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, cpu_threads: Optional[int] = None,
                  staging_slots: int = 3, replan: bool = True, trace: bool = False,
                  pin_memory: bool = True,
-                 host_memory_limit_gib: Optional[float] = None, amsgrad: bool = False,
-                 maximize: bool = False):
+                 host_memory_limit_gib: Optional[float] = None, overlap_backward: bool = False,
+                 amsgrad: bool = False, maximize: bool = False):
         validate_hparams(lr, betas, eps, weight_decay)
         if amsgrad or maximize:
             # NOTE: deviation from torch.optim.AdamW — these variants are not implemented.
@@ -54,8 +57,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.config = EngineConfig(placement=placement, stride=stride, gpu_fraction=gpu_fraction,
                                    subgroup_numel=subgroup_numel, max_grad_norm=max_grad_norm,
                                    cpu_threads=cpu_threads, staging_slots=staging_slots, replan=replan,
-                                   trace=trace,
-                                   pin_memory=pin_memory, host_memory_limit_gib=host_memory_limit_gib)
+                                   trace=trace, pin_memory=pin_memory,
+                                   host_memory_limit_gib=host_memory_limit_gib,
+                                   overlap_backward=overlap_backward)
         self._ready = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
@@ -93,9 +97,17 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._grads = GradRouter(self.layout, self.plan.lanes, self._params, self._dev,
                                  self._host.grad, self._sync, self._tl)
         self._lanes = Lanes(self.layout, self.plan, self._dev, self._host, self._grads, self._sync, self._tl)
+        self._early = None
+        if cfg.overlap_backward:
+            self._early = EarlyUpdates(self._lanes.cpu_update, self._hyper, device)
+            weakref.finalize(self, self._early.close)  # the worker ends with the optimizer
+            # The first step may re-size the lanes (gpu_fraction="auto"): no early update before it.
+            self._early.enabled = not self._sizing
+            self._grads.early = self._early
         self._steps: List[int] = [0] * len(self.param_groups)
         self.last_grad_norm: Optional[float] = None
         self.replans: List[dict] = []  # {"step", "plan", "predicted_step_s"} of every re-plan
+        self.last_overlapped = 0  # CPU subgroups the last step updated during backward
         self._itemsize = dtypes[0].itemsize
         self._ready = True
 
@@ -143,25 +155,62 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            self._steps[g] += 1
-        hyper = []
-        for b in self.layout.buckets:
-            group = self.param_groups[b.group]
-            hyper.append(Hyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
-                               beta2=float(group["betas"][1]), eps=float(group["eps"]),
-                               weight_decay=float(group["weight_decay"]), step=self._steps[b.group]))
-        self._tl.begin(max(self._steps), earlier=self._grads.take_spans())
+        hyper = self._hyper(1)
+        early, done = self._early, frozenset()
+        if early is not None:
+            done = early.drain()  # the CPU subgroups updated during backward
+            if done and early.hyper != hyper:
+                raise RuntimeError("dos: the hyperparameters changed between backward and step() "
+                                   "with overlap_backward=True (the CPU lane started during "
+                                   "backward with the old ones): set lr etc. before backward")
+        self._steps = [n + 1 for n in self._steps]
+        self.last_overlapped = len(done)
+        earlier = self._grads.take_spans() + (early.take_spans() if early is not None else [])
+        self._tl.begin(max(self._steps), earlier=earlier)
         if self._sizing:
             self._sizing = False
             self._size_resident()
-        elif self._refining:
+        elif self._refining and early is None:
             self._refine()
         scale_t, scale = self._clip_scale()
-        self._lanes.run(hyper, scale_t, scale)
+        self._lanes.run(hyper, scale_t, scale, done)
         self._tl.finish()
+        if early is not None:
+            # Re-plan after the update: the next backward routes (and starts) by the new plan.
+            if self._refining:
+                self._refine()
+            early.reset()
+            early.enabled = True
         return loss
+
+    def _hyper(self, ahead: int = 0) -> List[Hyper]:
+        """Each bucket's AdamW hyperparameters for the step `ahead` steps after the last one."""
+        out = []
+        for b in self.layout.buckets:
+            group = self.param_groups[b.group]
+            out.append(Hyper(lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                             beta2=float(group["betas"][1]), eps=float(group["eps"]),
+                             weight_decay=float(group["weight_decay"]),
+                             step=self._steps[b.group] + ahead))
+        return out
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        """Gradient accumulation with `overlap_backward=True`: a backward inside does not start
+        the update (wrap every micro-batch but the last). Without overlap_backward: nothing."""
+        early = self._early
+        if early is None:
+            yield
+            return
+        early.paused += 1
+        try:
+            yield
+        finally:
+            early.paused -= 1
+            if not early.paused:
+                self._grads.restart_counts()
 
     def _refine(self) -> None:
         """Online refinement: the last step's lane times move the calibrated rates; a plan
@@ -240,13 +289,22 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         # NOTE: deviation — gradients stay allocated (views of the flat buffers) and are zeroed,
         # whatever `set_to_none` says.
+        self._no_early_updates("zero_grad()")
         self._grads.zero_()
 
     def state_dict(self) -> dict:
+        self._no_early_updates("state_dict()")
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._no_early_updates("load_state_dict()")
         checkpoint.load_state_dict(self, state_dict)
+
+    def _no_early_updates(self, what: str) -> None:
+        """Between an overlapped backward and its step() the state is half updated."""
+        if self._early is not None and self._early.drain():
+            raise RuntimeError(f"dos: {what} between backward and step() with overlap_backward=True: "
+                               "part of this step's update has already run; call step() first")
 
     # -- reporting --------------------------------------------------------------------------------
     @property
@@ -276,6 +334,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release the hooks and unpin the host memory (the optimizer is unusable afterwards)."""
+        if self._early is not None:
+            self._early.close()
         self._sync.synchronize()  # no copy may still touch the memory we unpin
         self._grads.remove()
         self._host.close()

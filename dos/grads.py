@@ -32,6 +32,7 @@ class GradRouter:
         self.spans: list = []  # traced D2H spans since the last step
         self._views: Dict[int, torch.Tensor] = {}
         self._handles = []
+        self.early = None  # dos.early.EarlyUpdates with overlap_backward=True
         for slot, p in params.items():
             sgs = subgroups_of(layout, slot)
             for s in sgs:
@@ -45,6 +46,8 @@ class GradRouter:
 
     def _after_accumulate(self, sgs: List[int]):
         def hook(p):
+            if self.early is not None:
+                self.early.guard(sgs)  # raises before a consumed gradient changes
             self.sync.delay("main")  # race tests: let backward lag behind the host
             view = self._views[id(p)]
             if p.grad.data_ptr() != view.data_ptr():  # .grad was set to None: adopt the new one
@@ -57,6 +60,8 @@ class GradRouter:
                     self.count[s] = 0
                     if self.lanes[s] == CPU:
                         self.send(s)
+                        if self.early is not None:
+                            self.early.submit(s)
         return hook
 
     def send(self, s: int) -> None:
@@ -81,6 +86,11 @@ class GradRouter:
             self.count[s] = 0
             if lane == CPU and not self.sent[s]:
                 self.send(s)
+
+    def restart_counts(self) -> None:
+        """The next backward counts its gradients afresh: a subgroup is complete only once every
+        parameter in it has its gradient from that backward (after accumulated micro-batches)."""
+        self.count = [0] * len(self.count)
 
     def after_update(self) -> None:
         """The CPU lane overwrote the host gradients with weights: nothing is sent any more."""

@@ -47,8 +47,10 @@ class Lanes:
         device = dev.params[0].device if dev.params else torch.device("cpu")
         self.step_t = [torch.zeros((), device=device) for _ in layout.buckets]
 
-    def run(self, hyper: Sequence[Hyper], scale_t: Optional[torch.Tensor], scale: float) -> None:
-        """One update phase. `scale_t`/`scale`: gradient divisor (clipping) on device / host."""
+    def run(self, hyper: Sequence[Hyper], scale_t: Optional[torch.Tensor], scale: float,
+            done: frozenset = frozenset()) -> None:
+        """One update phase. `scale_t`/`scale`: gradient divisor (clipping) on device / host.
+        `done`: CPU subgroups already updated during backward (`dos.early`)."""
         sync = self.sync
         self.grads.flush()
         # The GPU update reads gradients (and the clipping scale) that the main stream produced.
@@ -58,7 +60,7 @@ class Lanes:
                 self.step_t[b].fill_(float(h.step))  # a kernel argument: no host->device copy
         self._resident(hyper, scale_t)
         self._staged(hyper, scale_t)
-        self._cpu(hyper, scale)
+        self._cpu(hyper, scale, done)
         # The next forward reads weights written by the compute and upload streams.
         sync.wait("main", sync.record("compute"), "gpu_update->forward")
         sync.wait("main", sync.record("upload"), "upload->forward")
@@ -112,27 +114,41 @@ class Lanes:
                 free[k] = self.written[s] = sync.record("d2h")
                 self.tl.gpu_end(t, "d2h", "d2h", s, n)
 
-    def _cpu(self, hyper, scale: float) -> None:
-        sync, threads = self.sync, self.plan.cpu_threads
+    def _cpu(self, hyper, scale: float, done: frozenset = frozenset()) -> None:
         for s in self.plan.cpu_order:
-            sg = self.layout.subgroups[s]
-            h = hyper[sg.bucket]
-            # The CPU may read the gradient only once its D2H has landed, and the state only once
-            # its last write-back from the GPU has (a staged subgroup in an earlier plan).
-            sync.host_wait(self.grads.d2h[s], "grad_d2h->cpu_update")
-            sync.host_wait(self.written[s], "d2h->cpu_update")
-            t0 = time.perf_counter()
-            master, m, v = thirds(self.host.state[s], sg.numel)
-            g = self.host.grad[s]
-            adam.cpu_adamw_(master, m, v, g, g, step=h.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                            eps=h.eps, weight_decay=h.weight_decay, grad_scale=scale, threads=threads)
-            self.tl.host("cpu", s, sg.numel, t0, time.perf_counter())
-            sync.delay("upload")
-            with sync.on("upload"):
-                t = self.tl.gpu_start("upload")
-                self.dev.param(self.layout, s).copy_(g, non_blocking=True)
-                self.tl.gpu_end(t, "upload", "upload", s, sg.numel)
+            if s not in done:
+                self.cpu_update(s, hyper, scale=scale)
         self.grads.after_update()
+
+    def cpu_update(self, s: int, hyper, spans: Optional[list] = None, scale: float = 1.0,
+                   spare: int = 0) -> None:
+        """Update CPU subgroup s on the calling thread and queue the upload of its weights.
+        `spans`: where its host span goes (None: this step's timeline); `spare`: cores of the
+        plan's CPU threads left free (backward's own thread, when it runs during backward)."""
+        sync, sg = self.sync, self.layout.subgroups[s]
+        h = hyper[sg.bucket]
+        # The CPU may read the gradient only once its D2H has landed, and the state only once
+        # its last write-back from the GPU has (a staged subgroup in an earlier plan).
+        sync.host_wait(self.grads.d2h[s], "grad_d2h->cpu_update")
+        sync.host_wait(self.written[s], "d2h->cpu_update")
+        t0 = time.perf_counter()
+        master, m, v = thirds(self.host.state[s], sg.numel)
+        g = self.host.grad[s]
+        adam.cpu_adamw_(master, m, v, g, g, step=h.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                        eps=h.eps, weight_decay=h.weight_decay, grad_scale=scale,
+                        threads=max(1, self.plan.cpu_threads - spare))
+        if spans is None:
+            self.tl.host("cpu", s, sg.numel, t0, time.perf_counter())
+        elif self.tl.enabled:
+            spans.append(("cpu", s, sg.numel, t0, time.perf_counter()))
+        sync.delay("upload")
+        with sync.on("upload"):
+            t = self.tl.gpu_start("upload")
+            self.dev.param(self.layout, s).copy_(g, non_blocking=True)
+            if spans is None:
+                self.tl.gpu_end(t, "upload", "upload", s, sg.numel)
+            elif t is not None:
+                spans.append(("upload", s, sg.numel, t, sync.record("upload")))
 
     def keep_slots(self, n: int) -> None:
         """Keep the first n staging slots (the caller has synchronized: no copy uses the others)."""

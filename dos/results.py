@@ -23,7 +23,8 @@ NUMERIC = ("gpu_fraction", "ratio", "n_params", "seq_len", "micro_batch", "gpus"
            "peak_host_gib", "predicted_step_s", "loss_first", "loss_last", "iter_s_min", "iter_s_max",
            "peak_gpu_reserved_gib", "peak_gpu_nvml_gib", "host_bytes_per_param", "warmup", "steps")
 _GIB = 2**30
-ORDER = ("dos-interleaved", "dos-auto", "dos-static", "dos-cpu", "dos-gpu", "torch-gpu", "torch-cpu",
+ORDER = ("dos-interleaved", "dos-interleaved-overlap", "dos-auto", "dos-auto-overlap", "dos-static",
+         "dos-cpu", "dos-cpu-overlap", "dos-gpu", "torch-gpu", "torch-cpu",
          "deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload", "deepspeed-zero3",
          "torchao-cpu-offload")
 """Every system key, in the order figures and tables list them."""
@@ -66,12 +67,15 @@ def has_records(path: Path) -> bool:
 
 # ---------------------------------------------------------------- rows
 
-def system_key(system: str, placement: Optional[str], gpu_fraction=None) -> str:
+def system_key(system: str, placement: Optional[str], gpu_fraction=None, overlap: bool = False) -> str:
     """The colour key of a row: `dos-auto` for dos with gpu_fraction "auto" (the model sizes the
-    resident share), `dos-<placement>` for other dos rows, the system name otherwise."""
+    resident share), `dos-<placement>` for other dos rows, the system name otherwise; dos with
+    the CPU lane overlapped with backward gets "-overlap" appended."""
     if system == "dos" and gpu_fraction == "auto":
-        return "dos-auto"
-    return f"dos-{placement}" if system == "dos" and placement else system
+        key = "dos-auto"
+    else:
+        key = f"dos-{placement}" if system == "dos" and placement else system
+    return key + "-overlap" if system == "dos" and overlap else key
 
 
 def _plan_fields(text: str) -> dict:
@@ -83,7 +87,7 @@ def _plan_fields(text: str) -> dict:
             "plan_predicted_s": plan.get("predicted_step_s")}
 
 
-SPEC_KNOBS = ("subgroup_numel", "cpu_threads", "staging_slots", "max_grad_norm")
+SPEC_KNOBS = ("subgroup_numel", "cpu_threads", "staging_slots", "max_grad_norm", "overlap_backward")
 """Run settings outside the defaults that `headline` leaves out (from the row's config.run)."""
 
 
@@ -94,7 +98,9 @@ def _spec_fields(text: str) -> dict:
 
 def _derive(df: pd.DataFrame) -> pd.DataFrame:
     fractions = df["gpu_fraction"] if "gpu_fraction" in df else [None] * len(df)
-    df["key"] = [system_key(s, p or None, f) for s, p, f in zip(df["system"], df["placement"], fractions)]
+    overlap = [_spec_fields(c)["spec_overlap_backward"] in (True, "True", "true") for c in df["config"]]
+    df["key"] = [system_key(s, p or None, f, o)
+                 for s, p, f, o in zip(df["system"], df["placement"], fractions, overlap)]
     for c in NUMERIC:  # after the key: gpu_fraction "auto" is no number
         if c in df:
             df[c] = pd.to_numeric(df[c].replace("", None), errors="coerce")
@@ -348,18 +354,23 @@ def convergence_check(steps: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD
     the standard deviation of the per-step differences over the baseline loss's step-to-step noise
     (the std of consecutive differences / sqrt 2: what one batch moves the loss). The criterion
     held here: every window's means within 0.5% (about bf16's relative precision, 2^-8) and the
-    per-step differences below 10% of the loss noise. Empty without a baseline run."""
+    per-step differences below 10% of the loss noise. A shorter run is compared over the steps it
+    has. Empty without a baseline run."""
     baseline = _baseline(steps["key"], baselines) if len(steps) else None
     if baseline is None:
         return pd.DataFrame()
-    base = steps[steps["key"].eq(baseline)].sort_values("step").set_index("step")["loss"]
+    full = steps[steps["key"].eq(baseline)].sort_values("step").set_index("step")["loss"]
     out = []
     for key, s in steps[steps["key"].ne(baseline)].groupby("key", sort=False):
-        s = s.drop_duplicates("step", keep="last").set_index("step")["loss"].reindex(base.index)
+        s = s.drop_duplicates("step", keep="last").set_index("step")["loss"]
+        base = full[full.index.isin(s.index)]
+        s = s.reindex(base.index)
         starts = list(range(0, max(len(base) - window, 0) + 1, window)) or [0]
         for i, lo in enumerate(starts):  # the last window takes the remainder
             hi = starts[i + 1] if i + 1 < len(starts) else len(base)
             a, b = base.iloc[lo: hi], s.iloc[lo: hi]
+            if not len(a):
+                continue
             noise = a.diff().std() / 2 ** 0.5
             diff = b - a
             out.append({"key": key, "steps": f"{a.index[0]}-{a.index[-1]}", "baseline_mean": a.mean(),

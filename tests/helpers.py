@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 import math
 
 import pytest
@@ -130,7 +131,9 @@ def train(kind, model, opt, steps, device="cpu", accum=1, sched=None, start=0):
         for micro in range(accum):
             x, y = batch(kind, step, device, micro)
             loss = loss_fn(kind, model, x, y) / accum
-            loss.backward()
+            # dos with overlap_backward: the non-final micro-batches must not start the update
+            with opt.accumulate() if micro < accum - 1 and hasattr(opt, "accumulate") else nullcontext():
+                loss.backward()
         opt.step()
         if sched is not None:
             sched.step()

@@ -79,6 +79,10 @@ def test_run_id_is_stable_and_discriminating():
     ({"system": "dos", "placement": "gpu", "gpus": 2}, "only one GPU"),
     ({"system": "dos", "placement": "gpu", "model": "2B"}, "unknown model preset"),
     ({"system": "dos", "placement": "gpu", "colour": 1}, "unknown run key"),
+    ({"system": "dos", "placement": "cpu", "overlap_backward": 1}, "overlap_backward must be true or false"),
+    ({"system": "dos", "placement": "cpu", "overlap_backward": True, "max_grad_norm": 1.0},
+     "overlap_backward needs max_grad_norm unset"),
+    ({"system": "torch-cpu", "overlap_backward": True}, "overlap_backward does not apply"),
 ])
 def test_spec_errors_are_clear(fields, match):
     with pytest.raises(ConfigError, match=match):

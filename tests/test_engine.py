@@ -71,17 +71,19 @@ def test_bf16_params_follow_fp32_master(device, placement):
     assert losses[-1] < losses[0] - 0.3  # not stuck at ln(vocab)
 
 
+def three_groups_one_frozen(m):
+    """Per-group lr and weight decay, and one frozen parameter."""
+    m.blocks[0].linear1.weight.requires_grad_(False)
+    return [{"params": list(m.blocks.parameters()), "lr": 2e-3, "weight_decay": 0.1},
+            {"params": list(m.tok.parameters()) + [m.pos], "weight_decay": 0.0},
+            {"params": list(m.norm.parameters()) + list(m.head.parameters()), "lr": 5e-3}]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[4], PLACEMENTS[8]], ids=["cpu", "k2", "k2res"])
 def test_param_groups_frozen_scheduler_clipping_accumulation(device, placement):
     """Per-group lr and weight decay, a frozen parameter, a scheduler, clipping, 3 micro-batches."""
-    def groups(m):
-        m.blocks[0].linear1.weight.requires_grad_(False)
-        return [{"params": list(m.blocks.parameters()), "lr": 2e-3, "weight_decay": 0.1},
-                {"params": list(m.tok.parameters()) + [m.pos], "weight_decay": 0.0},
-                {"params": list(m.norm.parameters()) + list(m.head.parameters()), "lr": 5e-3}]
-
-    a, opt, b, ref = pair("transformer", device, groups=groups, max_grad_norm=0.5,
+    a, opt, b, ref = pair("transformer", device, groups=three_groups_one_frozen, max_grad_norm=0.5,
                           subgroup_numel=700, **placement)
     frozen = a.blocks[0].linear1.weight.detach().clone()
     lam = lambda s: 1.0 / (1 + 0.1 * s)  # noqa: E731
@@ -99,11 +101,13 @@ def test_param_groups_frozen_scheduler_clipping_accumulation(device, placement):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[2], PLACEMENTS[5], PLACEMENTS[8]],
-                         ids=["cpu", "static", "k2", "k2res"])
+@pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[2], PLACEMENTS[5], PLACEMENTS[8],
+                                       dict(PLACEMENTS[4], overlap_backward=True)],
+                         ids=["cpu", "static", "k2", "k2res", "k2-overlap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_state_dict_resume_is_bitwise(device, placement, dtype):
-    kw = dict(lr=3e-3, weight_decay=0.05, subgroup_numel=900, max_grad_norm=1.0, **placement)
+    clip = None if placement.get("overlap_backward") else 1.0  # overlap_backward refuses clipping
+    kw = dict(lr=3e-3, weight_decay=0.05, subgroup_numel=900, max_grad_norm=clip, **placement)
     a = make_model("transformer", device, dtype)
     b = copy.deepcopy(a)
     opt = dos.DeepOptimizerStates(a.parameters(), **kw)
@@ -455,3 +459,108 @@ def test_refinement_searches_only_after_the_rates_moved(monkeypatch):
     assert len(searches) == 2  # 0.1% a step stays under the 2% drift until it adds up
     train("transformer", b, ref, 9)
     assert max_diff(a, b) <= 1e-5
+
+
+# ---------------------------------------------------------------- updates overlapped with backward
+
+OVERLAP = [PLACEMENTS[0], PLACEMENTS[2], PLACEMENTS[4], PLACEMENTS[5], PLACEMENTS[8]]
+OVERLAP_IDS = ["cpu", "static", "k2", "k3", "k2res"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", OVERLAP, ids=OVERLAP_IDS)
+def test_overlap_backward_matches_adamw_with_groups_frozen_scheduler_accumulation(device, placement):
+    """overlap_backward=True: CPU subgroups update during backward (on a worker thread) and the
+    result is the oracle's, with param groups, a frozen parameter, a scheduler and 3 micro-batches
+    (the first two inside opt.accumulate()); and bitwise what the engine gives without overlap."""
+    a, opt, b, ref = pair("transformer", device, groups=three_groups_one_frozen, subgroup_numel=700,
+                          overlap_backward=True, **placement)
+    c = copy.deepcopy(a)
+    plain = dos.DeepOptimizerStates(three_groups_one_frozen(c), lr=3e-3, weight_decay=0.05, subgroup_numel=700, **placement)
+    lam = lambda s: 1.0 / (1 + 0.1 * s)  # noqa: E731
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in (opt, ref.opt, plain)]
+    for step in range(12):
+        for model, o, sched in ((a, opt, scheds[0]), (b, ref, scheds[1]), (c, plain, scheds[2])):
+            train("transformer", model, o, 1, device, accum=3, start=step)
+            sched.step()
+        if step == 0:  # CPU subgroups holding parameters (not only a bucket's tail padding)
+            cpu_lane = sum(1 for s, x in enumerate(opt.plan.lanes) if x == "cpu" and opt._grads.need[s])
+        assert opt.last_overlapped == cpu_lane > 0  # each one started during backward
+    assert max_diff(a, b) <= 1e-5
+    for p, q in zip(a.parameters(), c.parameters()):
+        assert torch.equal(p, q)
+    for (i, x), (j, y) in zip(opt.state_dict()["state"].items(), plain.state_dict()["state"].items()):
+        assert i == j and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _backward(model, step=0, micro=0):
+    x, y = batch("transformer", step, "cpu", micro)
+    loss_fn("transformer", model, x, y).backward()
+
+
+def test_overlap_backward_refuses_what_it_cannot_do_exactly():
+    m = make_model("transformer")
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        dos.DeepOptimizerStates(m.parameters(), overlap_backward=True, max_grad_norm=1.0)
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=700, placement="cpu", overlap_backward=True)
+    # Accumulation outside opt.accumulate(): the second backward raises before it can change a
+    # gradient that an update has consumed.
+    _backward(m)
+    with pytest.raises(RuntimeError, match="accumulate"):
+        _backward(m, micro=1)
+    opt.close()
+
+    # An lr set between backward and step() is not silently ignored.
+    m = make_model("transformer")
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=700, placement="cpu", overlap_backward=True)
+    _backward(m)
+    opt.param_groups[0]["lr"] *= 0.5
+    with pytest.raises(RuntimeError, match="hyperparameters"):
+        opt.step()
+    # zero_grad / state_dict between an overlapped backward and its step would lose the update.
+    m = make_model("transformer")
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=700, placement="cpu", overlap_backward=True)
+    _backward(m)
+    for call in (opt.zero_grad, opt.state_dict):
+        with pytest.raises(RuntimeError, match="call step"):
+            call()
+    opt.step()
+    opt.zero_grad()  # fine after the step
+    assert opt.state_dict()["state"]
+    opt.close()
+
+
+def test_overlap_backward_reports_a_failed_update():
+    m = make_model("transformer")
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=700, placement="cpu", overlap_backward=True)
+
+    def boom(*a, **k):
+        raise MemoryError("injected")
+
+    opt._early._update_ref = lambda: boom
+    _backward(m)
+    with pytest.raises(RuntimeError, match="overlapped with backward failed"):
+        opt.step()
+    opt.close()
+
+
+def test_overlap_worker_does_not_keep_the_optimizer_alive():
+    import gc
+    import weakref
+
+    m = make_model("transformer")
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=700, placement="cpu", overlap_backward=True)
+    train("transformer", m, opt, 2)
+    ref, thread = weakref.ref(opt), opt._early._thread
+    del opt
+    gc.collect()
+    assert ref() is None
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_accumulate_is_a_no_op_without_overlap():
+    a, opt, b, ref = pair("odd", subgroup_numel=97, placement="interleaved", stride=2)
+    train("odd", a, opt, 5, accum=2)
+    train("odd", b, ref, 5, accum=2)
+    assert max_diff(a, b) <= 1e-5 and opt.last_overlapped == 0

@@ -5,10 +5,11 @@ dominate and any misordering changes numbers. Random GPU spins are inserted befo
 work and in backward (`dos.streams.DEBUG`). With every hand-off the result equals the oracle; with
 any one of them dropped, some seed gives a wrong result.
 """
+from contextlib import nullcontext
+from fractions import Fraction
+
 import pytest
 import torch
-
-from fractions import Fraction
 
 import dos
 from dos.perfmodel import build_plan
@@ -41,6 +42,12 @@ CASES = {
 # torch's default (foreach) AdamW differ by ~1.3e-5 relative in the moments (measured on the H200).
 PASS, DETECT = 1e-4, 1e-3
 ALL_LANES = dict(placement="interleaved", stride=2, gpu_fraction=0.25, staging_slots=2)
+# overlap_backward=True: the CPU lane runs on a worker thread during backward; the hand-offs it
+# relies on are the same two (its gradient's D2H, and the next forward after its uploads).
+OVERLAP_CASES = {
+    "grad_d2h->cpu_update": dict(placement="cpu", overlap_backward=True),
+    "upload->forward": dict(placement="cpu", overlap_backward=True),
+}
 
 
 class Thin(torch.nn.Module):
@@ -77,7 +84,8 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
             for model, o in ((a, opt), (b, ref)):
                 o.zero_grad()
                 for micro in range(2):
-                    ((model(x[2 * micro: 2 * micro + 2]) - y[2 * micro: 2 * micro + 2]) ** 2).mean().backward()
+                    with o.accumulate() if micro == 0 and o is opt else nullcontext():
+                        ((model(x[2 * micro: 2 * micro + 2]) - y[2 * micro: 2 * micro + 2]) ** 2).mean().backward()
                 o.step()
             if reverse:
                 lanes = opt._lanes
@@ -101,7 +109,8 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
     return err
 
 
-@pytest.mark.parametrize("settings", [ALL_LANES] + list(CASES.values()), ids=["all-lanes"] + list(CASES))
+@pytest.mark.parametrize("settings", [ALL_LANES, dict(ALL_LANES, overlap_backward=True)] + list(CASES.values()),
+                         ids=["all-lanes", "all-lanes-overlap"] + list(CASES))
 def test_no_race_with_random_delays(settings):
     for seed in range(3):
         assert run(settings, delay=4_000_000, seed=seed) <= PASS
@@ -111,6 +120,12 @@ def test_no_race_with_random_delays(settings):
 def test_dropping_any_handoff_breaks_the_result(name):
     errs = [run(CASES[name], skip={name}, delay=20_000_000, seed=seed) for seed in range(3)]
     assert any(not e <= DETECT for e in errs), f"dropping {name} went unnoticed: errors {errs}"  # NaN counts
+
+
+@pytest.mark.parametrize("name", list(OVERLAP_CASES))
+def test_dropping_a_handoff_breaks_overlapped_updates(name):
+    errs = [run(OVERLAP_CASES[name], skip={name}, delay=20_000_000, seed=seed) for seed in range(3)]
+    assert any(not e <= DETECT for e in errs), f"dropping {name} went unnoticed: errors {errs}"
 
 
 def test_host_arena_is_pinned_and_exact():

@@ -166,6 +166,9 @@ def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
     rng = np.random.default_rng(0)
     noisy = steps.assign(loss=steps["loss"] + dos * rng.normal(0, 0.1, len(steps)))
     assert results.convergence_check(noisy)["diff_over_noise"].max() > 0.10
+    # A shorter run (DeepSpeed's 200 steps) is compared over the steps it has.
+    short = results.convergence_check(steps[~(dos & steps["step"].ge(202))])
+    assert list(short["steps"]) == ["0-49", "50-99", "100-149", "150-201"]
 
 
 def test_results_table_lists_the_gpu_records():

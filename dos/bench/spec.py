@@ -63,6 +63,8 @@ class RunSpec:
     """dos: CPU-lane threads (None: the engine chooses)."""
     staging_slots: Optional[int] = None
     """dos: GPU staging slots (None: the engine's default)."""
+    overlap_backward: Optional[bool] = None
+    """dos: start the CPU lane during backward (None: off; needs max_grad_norm None)."""
     sub_group_size: Optional[int] = None
     """DeepSpeed ZeRO-3 sub_group_size (None: 1e8, as in DESIGN.md §8)."""
     max_grad_norm: Optional[float] = None
@@ -116,6 +118,8 @@ class RunSpec:
             parts.append(f"k={self.stride}")
         if self.gpu_fraction:
             parts.append(f"f={self.gpu_fraction}")
+        if self.overlap_backward:
+            parts.append("overlap")
         if self.system == "deepspeed-twinflow":
             parts.append(f"r={self.ratio}")
         parts += [self.model, f"s{self.seq_len}", f"mb{self.micro_batch}"]
@@ -198,7 +202,8 @@ def _only(s: RunSpec, names, who: str):
 
 
 def _validate_system(s: RunSpec) -> None:
-    dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots")
+    dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots",
+                "overlap_backward")
     if s.system == "dos":
         _only(s, ("ratio", "sub_group_size"), "dos")
         if s.placement not in PLACEMENTS:
@@ -218,6 +223,10 @@ def _validate_system(s: RunSpec) -> None:
         if f and s.placement in ("cpu", "gpu"):
             raise ConfigError(f"impossible configuration: placement {s.placement!r} takes no "
                               f"gpu_fraction (got {f}); use placement 'static' for a resident share")
+        _check_type("overlap_backward", s.overlap_backward, (bool,), "true or false")
+        if s.overlap_backward and s.max_grad_norm is not None:
+            raise ConfigError("impossible configuration: overlap_backward needs max_grad_norm unset "
+                              "(clipping needs every gradient before any update)")
         for n in ("subgroup_numel", "cpu_threads", "staging_slots"):
             _check_type(n, getattr(s, n), (int,), "an int >= 1")
             if getattr(s, n) is not None and getattr(s, n) < 1:

@@ -88,7 +88,7 @@ class DosSystem(_Base):
         except (ImportError, AttributeError) as e:
             raise RuntimeError(f"dos engine not available: {type(e).__name__}: {e}") from e
         kw = {k: getattr(spec, k) for k in ("stride", "gpu_fraction", "subgroup_numel", "cpu_threads",
-                                            "staging_slots", "max_grad_norm")
+                                            "staging_slots", "max_grad_norm", "overlap_backward")
               if getattr(spec, k) is not None}
         self.opt = engine_cls(model.parameters(), lr=spec.lr, betas=BETAS, eps=EPS,
                               weight_decay=spec.weight_decay, placement=spec.placement,
