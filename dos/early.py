@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -41,6 +42,7 @@ class EarlyUpdates:
         self.enabled = True  # False until the engine allows it (after gpu_fraction="auto" sizing)
         self.paused = 0  # > 0 inside `accumulate()`
         self._error: Optional[BaseException] = None
+        self.first_submit = 0.0  # perf_counter() of this step's first early update
         self._thread = threading.Thread(target=self._loop, name="dos-overlap-backward", daemon=True)
         self._thread.start()
 
@@ -78,6 +80,7 @@ class EarlyUpdates:
             return
         if self.hyper is None:
             self.hyper = self._hyper_ref()(1)
+            self.first_submit = time.perf_counter()  # the CPU lane's head start begins
         self._started.add(s)
         self._q.put((s, self.hyper))
 

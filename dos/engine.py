@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from fractions import Fraction
 from typing import Iterable, List, Optional
@@ -80,6 +81,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._refining = (cfg.replan and cfg.placement == "interleaved" and cfg.stride == "auto"
                           and self.calibration is not None)
         self._searched = self.calibration  # the rates the current plan was searched under
+        self._searched_head_start = 0.0  # ... and the head start (overlap_backward)
+        self.head_start_s = 0.0  # backward seconds the CPU lane overlaps (moving average)
         # gpu_fraction="auto": the resident share is chosen at the first step, once the
         # iteration's peak GPU memory is known.
         self._sizing = cfg.gpu_fraction == "auto" and self.calibration is not None
@@ -167,6 +170,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                    "backward with the old ones): set lr etc. before backward")
         self._steps = [n + 1 for n in self._steps]
         self.last_overlapped = len(done)
+        if done:  # the window the CPU lane had during this backward
+            h = time.perf_counter() - early.first_submit
+            self.head_start_s = h if not self.head_start_s else 0.5 * (self.head_start_s + h)
         earlier = self._grads.take_spans() + (early.take_spans() if early is not None else [])
         self._tl.begin(max(self._steps), earlier=earlier)
         if self._sizing:
@@ -225,11 +231,15 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         # The search runs on the host, in the CPU lane's path (a full one took 54-93 ms at 3B-7B
         # on a 2-core machine; auto runs on the H200 host spent ~0.11 s more per step than a fixed
         # stride): search again only once the rates moved (they settle within a few steps).
-        if perfmodel.drift(self._searched, self.calibration) < REPLAN_DRIFT:
+        # With overlap_backward the backward time the CPU lane overlaps (its head start) counts too.
+        h, h_searched = self.head_start_s, self._searched_head_start
+        if (perfmodel.drift(self._searched, self.calibration) < REPLAN_DRIFT
+                and abs(h - h_searched) <= REPLAN_DRIFT * max(h, h_searched)):
             return
-        self._searched = self.calibration
+        self._searched, self._searched_head_start = self.calibration, h
         better = perfmodel.replan(self.plan, self.calibration, staging_slots=len(self._dev.slots),
-                                  max_threads=self.config.cpu_threads or default_threads(), **kw)
+                                  max_threads=self.config.cpu_threads or default_threads(),
+                                  head_start_s=h, **kw)
         if better is not None:
             self._set_plan(better[0].replace(source="replan"))
 

@@ -19,6 +19,10 @@ dos/lanes.py runs it (n_j: elements of subgroup j; S: staging slots; t: CPU thre
             Cc = N_cpu / R_cpu_dma(t),
               Cc >= Pc:  T_staged = Pc,  T_cpu = Pc + (N_cpu - Pc R_cpu_dma) / R_cpu
               Cc <  Pc:  T_cpu = Cc,     T_staged = Cc + (1 - Cc / Pc) Pu
+  head start  with the CPU lane overlapped with backward (`overlap_backward`), H seconds of
+            backward are CPU time too: min(N_cpu - n_last, R_cpu(t - 1) H) elements are done
+            before `step()` (one core is left to backward; the last CPU subgroup's gradient is
+            the last to arrive), and only the rest enters the overlap above and the H2D bound.
   tail      the last CPU subgroup's upload, param_bytes n_last / B_h2d, after T_cpu.
   total     max(T_cpu + tail, T_staged, t_gpu, H2D bytes / B_h2d, D2H bytes / B_d2h); the last
             two are lower bounds at the alone rates. Gradient D2H of CPU subgroups runs during
@@ -243,9 +247,21 @@ def overlap(cpu_work: float, r_alone: float, r_dma: float, p_dma: float, p_alone
     return c_dma, c_dma + (1 - frac) * p_alone, frac
 
 
-def predict(plan: Plan, calib: Calibration, *, grad_bytes: int = 2, param_bytes: int = 2) -> Prediction:
-    """Predicted lane times of `plan` on the machine `calib` describes (see the module docstring)."""
-    n_cpu, n_res = plan.numel(CPU), plan.numel(RESIDENT)
+def head_start_work(plan: Plan, calib: Calibration, head_start_s: float) -> float:
+    """CPU-lane elements done during the last `head_start_s` seconds of backward (see above)."""
+    if head_start_s <= 0 or not plan.cpu_order:
+        return 0.0
+    rest = plan.numel(CPU) - plan.numels[plan.cpu_order[-1]]
+    return min(rest, calib.cpu(max(1, plan.cpu_threads - 1)) * head_start_s)
+
+
+def predict(plan: Plan, calib: Calibration, *, grad_bytes: int = 2, param_bytes: int = 2,
+            head_start_s: float = 0.0) -> Prediction:
+    """Predicted lane times of `plan` on the machine `calib` describes (see the module docstring).
+    `head_start_s`: backward time the CPU lane overlaps (`overlap_backward`; 0: none); the CPU
+    lane's times are then what is left for `step()`."""
+    n_res = plan.numel(RESIDENT)
+    n_cpu = plan.numel(CPU) - head_start_work(plan, calib, head_start_s)
     staged = [plan.numels[s] for s in plan.staged_order]
     if (staged or n_res) and not calib.has_gpu:
         raise ValueError("the plan updates on the GPU but the calibration has no GPU rates")
@@ -272,7 +288,8 @@ def predict(plan: Plan, calib: Calibration, *, grad_bytes: int = 2, param_bytes:
              "d2h": STATE_BYTES * sum(staged) / bw_down}
     total = max(lanes.values())
     return Prediction(cpu_s=t_cpu, h2d_s=h2d, d2h_s=d2h, gpu_s=gpu, upload_s=param_bytes * n_cpu / bw_up,
-                      staged_s=t_staged, cpu_end_s=lanes["cpu"], grad_d2h_s=grad_bytes * n_cpu / bw_down,
+                      staged_s=t_staged, cpu_end_s=lanes["cpu"],
+                      grad_d2h_s=grad_bytes * plan.numel(CPU) / bw_down,
                       total_s=total, bottleneck=_bottleneck(lanes, total, h2d, p_alone.gpu, d2h))
 
 
@@ -357,7 +374,8 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
            staging_slots: int = 3, subgroup_numel: Optional[int] = None, grad_bytes: int = 2,
            param_bytes: int = 2, resident: Optional[int] = None,
            placement: str = "interleaved", staged_shares: Optional[Sequence[Fraction]] = None,
-           threads: Optional[Sequence[int]] = None, exact_slots: bool = False) -> Tuple[Plan, Prediction]:
+           threads: Optional[Sequence[int]] = None, exact_slots: bool = False,
+           head_start_s: float = 0.0) -> Tuple[Plan, Prediction]:
     """The Plan with the least predicted update phase, and its prediction.
 
     Searches the resident share (as much as `free_gpu_bytes` holds beside each slot count 0..
@@ -365,7 +383,8 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
     (or only `staged_shares`: [1/k] for a fixed stride k, [0] for no staged lane) and the CPU
     threads (the calibrated counts up to `max_threads`, or `threads`). `exact_slots`: only plans
     that use all `staging_slots` (or stage nothing) — online, where the slots are allocated already
-    and fewer never predicts faster. `free_gpu_bytes`: GPU memory
+    and fewer never predicts faster. `head_start_s`: as `predict` (overlap_backward).
+    `free_gpu_bytes`: GPU memory
     the optimizer may still take for the whole run (free at the iteration's peak, minus a margin).
     Fewer threads than `max_threads` only for a predicted gain above THREAD_MARGIN: the thread
     dimension is where the calibration is least sure (on the H200 host a 1.5% predicted gain of 8
@@ -389,7 +408,8 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
             for t in threads:
                 plan = build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
                                   staging_slots=slots, placement=placement)
-                pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes)
+                pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes,
+                               head_start_s=head_start_s)
                 key = (pred.total_s, -t, -r)
                 if best_all is None or key < best_all[0]:
                     best_all = (key, plan, pred)
@@ -427,7 +447,8 @@ def update(calib: Calibration, plan: Plan, lane_totals: Dict[str, float], *, alp
     (1 - alpha) + alpha * predicted / measured busy time, so a machine under foreign load converges
     geometrically. The CPU factor scales every thread count alike (a foreign load is assumed to
     slow them all), alone and under DMA; the H2D / D2H factors scale every rate of that direction.
-    Uploads and the span are not used (too small / a mix of everything)."""
+    Uploads and the span are not used (too small / a mix of everything). The CPU lane's busy
+    time is its whole work's, also where part of it ran during backward (overlap_backward)."""
     pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes)
     kw = {}
 
@@ -457,7 +478,8 @@ def replan(plan: Plan, calib: Calibration, *, margin: float = 0.05, keep_memory:
     allocation changes; pass `staging_slots` when more slots are allocated than the plan uses).
     `choose_kw`: as `choose` (free_gpu_bytes, max_threads, ...)."""
     current = predict(plan, calib, grad_bytes=choose_kw.get("grad_bytes", 2),
-                      param_bytes=choose_kw.get("param_bytes", 2))
+                      param_bytes=choose_kw.get("param_bytes", 2),
+                      head_start_s=choose_kw.get("head_start_s", 0.0))
     if keep_memory:
         r = len(plan.resident)
         if r and plan.resident != tuple(range(r)):

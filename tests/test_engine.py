@@ -559,6 +559,21 @@ def test_overlap_worker_does_not_keep_the_optimizer_alive():
     assert not thread.is_alive()
 
 
+def test_overlap_backward_measures_its_head_start_and_replans_with_it(monkeypatch):
+    """With a calibration and stride='auto', the engine measures the backward time the CPU lane
+    overlaps and re-plans with it; the result stays the oracle's."""
+    import dos.engine
+    from dos.perfmodel import DESIGN_H200
+
+    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
+                          cpu_threads=2, overlap_backward=True)
+    train("transformer", a, opt, 6)
+    train("transformer", b, ref, 6)
+    assert opt.head_start_s > 0 and opt._searched_head_start > 0  # measured and searched with
+    assert max_diff(a, b) <= 1e-5
+
+
 def test_accumulate_is_a_no_op_without_overlap():
     a, opt, b, ref = pair("odd", subgroup_numel=97, placement="interleaved", stride=2)
     train("odd", a, opt, 5, accum=2)

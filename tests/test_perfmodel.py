@@ -279,6 +279,32 @@ def test_online_search_uses_every_allocated_slot_and_finds_what_the_full_search_
     assert plan_of(NUMELS_7B, F(1, 3)) is plan_of(NUMELS_7B, F(1, 3))  # memoized
 
 
+def test_head_start_moves_cpu_work_into_backward_and_shifts_the_choice():
+    """overlap_backward: H seconds of backward are CPU time at R(t - 1), all but the last CPU
+    subgroup; none changes nothing; a long backward leaves only the last subgroup for step()
+    and makes all-CPU the best plan, where without it part of the state is staged."""
+    cpu = plan_of(NUMELS_7B, 0)
+    r15, r16 = H200.cpu(15), H200.cpu(16)
+    assert pm.predict(cpu, H200, head_start_s=0.0) == pm.predict(cpu, H200)
+    tail = 2 * NUMELS_7B[0] / H200.h2d_bw
+    p = pm.predict(cpu, H200, head_start_s=0.5)
+    assert p.cpu_s == pytest.approx((N7B - r15 * 0.5) / r16, rel=1e-9)
+    assert p.grad_d2h_s == pm.predict(cpu, H200).grad_d2h_s  # the whole lane's gradients
+    last = NUMELS_7B[cpu.cpu_order[-1]]
+    p = pm.predict(cpu, H200, head_start_s=INF)
+    assert p.cpu_s == pytest.approx(last / r16) and p.total_s == pytest.approx(last / r16 + tail)
+    staged_only = plan_of(NUMELS_7B, 1)
+    assert pm.predict(staged_only, H200, head_start_s=10.0) == pm.predict(staged_only, H200)
+    kw = dict(free_gpu_bytes=INF, max_threads=16, resident=0)
+    without, _ = pm.choose(NUMELS_7B, H200, **kw)
+    with_, pred = pm.choose(NUMELS_7B, H200, head_start_s=N7B / r15, **kw)
+    assert without.share(STAGED) > 0 and with_.share(STAGED) == 0
+    assert pred.total_s == pytest.approx(last / r16 + tail)
+    # replan sees it too: the staged plan is replaced once the head start is known.
+    new, _ = pm.replan(without, H200, staging_slots=3, max_threads=16, head_start_s=N7B / r15)
+    assert new.share(STAGED) == 0
+
+
 # -- Calibration ---------------------------------------------------------------------------------
 
 def test_calibration_json_roundtrip_and_validation():
