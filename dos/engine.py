@@ -179,12 +179,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self._sizing = False
             self._size_resident()
         elif self._refining and early is None:
-            self._refine()
+            self._refine()  # on the previous step's lane times, for this step
         scale_t, scale = self._clip_scale()
         self._lanes.run(hyper, scale_t, scale, done)
         self._tl.finish()
         if early is not None:
-            # Re-plan after the update: the next backward routes (and starts) by the new plan.
+            # With overlap_backward, re-plan after the update instead: the next backward starts
+            # the CPU lane by the plan in force (a re-plan at the next step's start could hand
+            # an already-updated subgroup to the GPU). It uses the previous step's times too.
             if self._refining:
                 self._refine()
             early.reset()
