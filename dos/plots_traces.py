@@ -248,7 +248,7 @@ def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
 
 # ---------------------------------------------------------------- figure 10
 
-def loss_curves(steps: pd.DataFrame, rows: pd.DataFrame, baseline: Sequence[str] = ("torch-gpu", "torch-cpu"),
+def loss_curves(steps: pd.DataFrame, rows: pd.DataFrame, baseline: Sequence[str] = R.NO_OFFLOAD,
                 smooth: int = 10, note: str = ""):
     """Fig. 10: training loss per step of every system on the same data, and each one's difference
     to the no-offload baseline (same seed, same batches: an exact optimizer gives ~0)."""
@@ -258,7 +258,7 @@ def loss_curves(steps: pd.DataFrame, rows: pd.DataFrame, baseline: Sequence[str]
         empty(a, "loss curves (steps.csv)")
         caption(fig, rows, note)
         return fig
-    base_key = next((k for k in baseline if k in set(steps["key"])), None)
+    base_key = R.baseline_key(steps["key"], baseline)
     base = steps[steps["key"] == base_key].set_index("step")["loss"] if base_key else None
     for key in keys_in(steps):
         s = steps[steps["key"] == key].sort_values("step")

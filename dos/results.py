@@ -98,13 +98,13 @@ def _spec_fields(text: str) -> dict:
 
 def _derive(df: pd.DataFrame) -> pd.DataFrame:
     fractions = df["gpu_fraction"] if "gpu_fraction" in df else [None] * len(df)
-    overlap = [_spec_fields(c)["spec_overlap_backward"] in (True, "True", "true") for c in df["config"]]
-    df["key"] = [system_key(s, p or None, f, o)
-                 for s, p, f, o in zip(df["system"], df["placement"], fractions, overlap)]
+    specs = [_spec_fields(c) for c in df["config"]]
+    df["key"] = [system_key(s, p or None, f, sp["spec_overlap_backward"] is True)
+                 for s, p, f, sp in zip(df["system"], df["placement"], fractions, specs)]
     for c in NUMERIC:  # after the key: gpu_fraction "auto" is no number
         if c in df:
             df[c] = pd.to_numeric(df[c].replace("", None), errors="coerce")
-    plan = pd.DataFrame([{**_plan_fields(p), **_spec_fields(c)} for p, c in zip(df["plan"], df["config"])],
+    plan = pd.DataFrame([{**_plan_fields(p), **sp} for p, sp in zip(df["plan"], specs)],
                         index=df.index, columns=[*_plan_fields(""), *_spec_fields("")])
     df = pd.concat([df, plan.apply(pd.to_numeric, errors="coerce")], axis=1)
     df["smoke"] = df["device"].eq("cpu")
@@ -316,14 +316,15 @@ def stride_check(dfp: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-
 # ---------------------------------------------------------------- issue 7 checks
 
 NO_OFFLOAD = ("torch-gpu", "torch-cpu")  # the no-offload baselines, the GPU one first
 
 
-def _baseline(keys, baselines: Sequence[str]) -> Optional[str]:
-    return next((k for k in baselines if k in set(keys)), None)
+def baseline_key(keys, baselines: Sequence[str] = NO_OFFLOAD) -> Optional[str]:
+    """The first of `baselines` among `keys` (None when none is)."""
+    present = set(keys)
+    return next((k for k in baselines if k in present), None)
 
 
 def microbatch_check(df: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD) -> pd.DataFrame:
@@ -331,7 +332,7 @@ def microbatch_check(df: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD) ->
     baseline fits (an `ok` row of the first of `baselines` present), each system's iteration time
     over the baseline's, and its update phase's share of its iteration."""
     d = df[df["status"].eq("ok")] if "status" in df else df
-    baseline = _baseline(d["key"], baselines) if len(d) else None
+    baseline = baseline_key(d["key"], baselines) if len(d) else None
     out = []
     for model, m in d.groupby("model", sort=False):
         base = m[m["key"].eq(baseline)]
@@ -356,7 +357,7 @@ def convergence_check(steps: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD
     held here: every window's means within 0.5% (about bf16's relative precision, 2^-8) and the
     per-step differences below 10% of the loss noise. A shorter run is compared over the steps it
     has. Empty without a baseline run."""
-    baseline = _baseline(steps["key"], baselines) if len(steps) else None
+    baseline = baseline_key(steps["key"], baselines) if len(steps) else None
     if baseline is None:
         return pd.DataFrame()
     full = steps[steps["key"].eq(baseline)].sort_values("step").set_index("step")["loss"]
