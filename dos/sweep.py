@@ -12,10 +12,15 @@ A sweep file (experiments/sweeps/NAME.yaml):
     host_memory_gib: null         # host memory the preflight may plan for (default: available)
     timeout_s: 900                # per run
 
-Every run is a child process (`python -m dos.bench.run`); the parent appends its row. Finished
-run_ids are skipped, so a killed sweep reruns only what was in flight. Runs that cannot fit in host
-memory, or cannot run on this machine, become `skipped` rows with the reason; crashes, timeouts and
-OOMs become rows too. Errors in the file itself stop everything before the first run.
+Every run is a child process (`python -m dos.bench.run`, its own process group); the parent
+appends its row. Finished run_ids are not run again, so a killed sweep reruns only what was in
+flight; SIGTERM (e.g. `timeout`) kills the run in flight with its whole process group before the
+sweep exits. Runs that cannot fit in host memory, or cannot run on this machine, become `skipped`
+rows with the reason; a resumed sweep checks those again (on a larger machine they run, their new
+row superseding the skipped one; still skipped, no row is added). The host-memory preflight waits
+while available memory is still growing (a previous run's pinned memory being released), at most
+`SETTLE_MAX_S`. Crashes, timeouts and OOMs become rows too. Errors in the file itself stop
+everything before the first run.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -43,6 +49,10 @@ from dos.bench.spec import CUDA_ONLY, ConfigError, RunSpec
 SWEEP_KEYS = {"name", "description", "defaults", "grid", "runs", "host_memory_gib", "timeout_s"}
 RESULTS = Path("experiments") / "results"
 _GIB = 2**30
+SETTLE_MAX_S = 60.0   # the preflight's longest wait for host memory still being released
+SETTLE_POLL_S = 1.0
+SETTLE_GROWTH_GIB = 0.5  # per poll: less growth than this, and the memory has settled
+GROUP_EXIT_S = 10.0  # how long _kill_group waits for a run's processes to be gone
 
 
 @dataclass
@@ -224,11 +234,27 @@ def _die_with_parent():  # runs in the child between fork and exec
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group (the run and e.g. DeepSpeed's worker processes) and wait
+    until none of them is left alive, so that the next run's preflight sees their memory freed."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    deadline = time.monotonic() + GROUP_EXIT_S
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (zombies hold no memory: not counted)."""
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                return True
+        except (ProcessLookupError, psutil.Error, OSError):
+            continue
+    return False
 
 
 def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
@@ -311,12 +337,12 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     """Run every missing run of `sweep` into `out_dir`; return counts by status."""
     out_dir = Path(out_dir)
     csv_path = out_dir / "runs.csv"
-    done = records.finished_run_ids(csv_path)
-    todo = [s for s in sweep.runs if s.run_id() not in done]
-    host_gib, host_src = available_host_gib(sweep, host_memory_gib)
+    latest = {r["run_id"]: r["status"] for r in records.read_rows(csv_path)}  # last row wins
+    todo = [s for s in sweep.runs if latest.get(s.run_id(), "skipped") == "skipped"]
     total_host = psutil.virtual_memory().total / _GIB
     counts = {"already": len(sweep.runs) - len(todo)}
     if dry_run:
+        host_gib, host_src = available_host_gib(sweep, host_memory_gib)
         for s in todo:
             why = preflight(s, host_gib, host_src)
             print(f"{s.run_id()}  {s.label():<50} {'skip: ' + why if why else 'run'}")
@@ -324,28 +350,65 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     out_dir.mkdir(parents=True, exist_ok=True)
     records.write_env(out_dir)
     bar = _bar(len(sweep.runs), counts["already"], progress)
+    restore = _terminate_as_exit()
     try:
         for spec in todo:
             bar.set_description(spec.label()[:60])
             run_dir = out_dir / spec.run_id()
             if run_dir.exists():  # leftovers of a run killed in flight: start it afresh
                 shutil.rmtree(run_dir)
-            why = preflight(spec, host_gib, host_src)
+            why = settled_preflight(spec, sweep, host_memory_gib)
             if why:
                 res = {"status": "skipped", "error": why, "files": {}}
             else:
                 res = run_child(spec, run_dir, sweep.timeout_s)
-            records.append_row(csv_path, make_row(spec, sweep.name, res, total_host))
+            if not (why and spec.run_id() in latest):  # skipped again: its row is there already
+                records.append_row(csv_path, make_row(spec, sweep.name, res, total_host))
             counts[res["status"]] = counts.get(res["status"], 0) + 1
             bar.set_postfix_str(_postfix(res))
             bar.update(1)
             if pack:  # after every run: a sweep cut short by a time limit still returns its rows
                 pack_dir(out_dir, pack)
     finally:
+        restore()
         bar.close()
     if pack:
         pack_dir(out_dir, pack)
     return counts
+
+
+def settled_preflight(spec: RunSpec, sweep: Sweep, override: Optional[float] = None,
+                      ) -> Optional[str]:
+    """`preflight` against the host memory available now; where that is what stops the run, wait
+    while it is still growing (the previous run's memory being released; e.g. ~100 GiB of pinned
+    DeepSpeed buffers take seconds to free), at most `SETTLE_MAX_S`."""
+    host_gib, src = available_host_gib(sweep, override)
+    why = preflight(spec, host_gib, src)
+    deadline = time.monotonic() + SETTLE_MAX_S
+    while (why and why.startswith("host memory preflight") and src == "available host memory"
+           and time.monotonic() < deadline):
+        time.sleep(SETTLE_POLL_S)
+        before, (host_gib, src) = host_gib, available_host_gib(sweep, override)
+        why = preflight(spec, host_gib, src)
+        if host_gib - before < SETTLE_GROWTH_GIB:
+            break
+    return why
+
+
+def _terminate_as_exit():
+    """While a sweep runs, SIGTERM raises SystemExit in the main thread, so that the run in flight
+    is killed with its process group (`run_child`) instead of outliving the sweep. Returns the
+    function that restores the previous handler."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def _exit(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, _exit)
+    return lambda: signal.signal(signal.SIGTERM, old)
 
 
 def _postfix(res: dict) -> str:

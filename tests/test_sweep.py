@@ -82,7 +82,8 @@ def _children_of_dir(path: str):
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_without_lost_or_duplicated_rows(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_sweep_resumes_without_lost_or_duplicated_rows(tmp_path, sig):
     runs = "\n".join(f"  - {{system: torch-cpu, seed: {i}}}" for i in range(4))
     text = "name: killme\ndefaults: " + str(QUICK).replace("'", "") + "\nruns:\n" + runs + "\n"
     path, out = _write(tmp_path, text), tmp_path / "out"
@@ -95,10 +96,12 @@ def test_killed_sweep_resumes_without_lost_or_duplicated_rows(tmp_path):
         if len(done) == 4 or done and (out / expected[len(done)] / "spec.json").exists():
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(sig)
+    rc = proc.wait()
     before = records.read_rows(out / "runs.csv")
     assert 1 <= len(before) < 4, "the sweep should have been killed mid-way"
+    if sig == signal.SIGTERM:  # the sweep killed the run in flight (its process group) and exited
+        assert rc == 128 + signal.SIGTERM and not _children_of_dir(str(out))
     for _ in range(100):  # the in-flight run dies with its parent (PR_SET_PDEATHSIG)
         if not _children_of_dir(str(out)):
             break
@@ -111,6 +114,61 @@ def test_killed_sweep_resumes_without_lost_or_duplicated_rows(tmp_path):
     assert after[: len(before)] == before  # old rows untouched
     assert all(row["status"] == "ok" for row in after)
     assert "already 4" in _sweep(path, "--out", str(out), "--no-progress").stdout
+
+
+def test_kill_group_waits_for_every_process_of_the_run():
+    """A run's grandchildren (e.g. DeepSpeed's workers) do not die with it by themselves: the group
+    is killed, and _kill_group returns only once none of them is alive (their memory is free)."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], preexec_fn=sw._die_with_parent)
+    for _ in range(100):
+        if len([p for p in psutil.Process(proc.pid).children(recursive=True)]) == 2:
+            break
+        time.sleep(0.02)
+    grandchildren = psutil.Process(proc.pid).children(recursive=True)
+    assert len(grandchildren) == 2
+    sw._kill_group(proc)
+    assert not sw._group_alive(proc.pid)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in grandchildren)
+
+
+def test_preflight_waits_while_host_memory_is_being_released(monkeypatch):
+    spec = sw.parse({"runs": [{"system": "dos", "placement": "cpu", "model": "1.3B"}]}, "w").runs[0]
+    need = sw.host_bytes_estimate(spec)[0] / 2**30
+    sweep = sw.parse({"runs": [{"system": "torch-cpu"}]}, "w")
+    monkeypatch.setattr(sw, "SETTLE_POLL_S", 0.0)
+    monkeypatch.delenv("DOS_HOST_MEMORY_GIB", raising=False)
+
+    def reads(values, src="available host memory"):
+        it = iter(values)
+        seen = []
+        monkeypatch.setattr(sw, "available_host_gib", lambda *_: (seen.append(1) or next(it), src))
+        return seen
+
+    seen = reads([0.5 * need, 0.8 * need, 1.1 * need])  # a dying run releasing its memory
+    assert sw.settled_preflight(spec, sweep) is None and len(seen) == 3
+    seen = reads([0.5 * need, 0.5 * need + 0.1, need * 2])  # settled too low: skipped, no long wait
+    assert sw.settled_preflight(spec, sweep).startswith("host memory preflight") and len(seen) == 2
+    seen = reads([0.5 * need] * 2, src="host_memory_gib in the sweep file")  # a stated size: no wait
+    assert "host_memory_gib in the sweep file" in sw.settled_preflight(spec, sweep) and len(seen) == 1
+    monkeypatch.setattr(sw, "SETTLE_MAX_S", 0.0)  # the wait is bounded
+    seen = reads([0.5 * need, 0.8 * need])
+    assert sw.settled_preflight(spec, sweep) and len(seen) == 1
+
+
+@pytest.mark.slow
+def test_skipped_runs_are_checked_again_on_resume(tmp_path):
+    """A run skipped for want of host memory runs when resumed where it fits (its ok row then
+    supersedes the skipped one); resumed where it still does not fit, no second row is added."""
+    sweep = sw.parse({"defaults": QUICK, "host_memory_gib": 0.01, "runs": [{"system": "torch-cpu"}]}, "r")
+    assert sw.run(sweep, tmp_path, progress=False) == {"already": 0, "skipped": 1}
+    assert sw.run(sweep, tmp_path, progress=False) == {"already": 0, "skipped": 1}
+    assert [r["status"] for r in records.read_rows(tmp_path / "runs.csv")] == ["skipped"]
+    assert sw.run(sweep, tmp_path, progress=False, host_memory_gib=64) == {"already": 0, "ok": 1}
+    assert sw.run(sweep, tmp_path, progress=False) == {"already": 1}
+    assert [r["status"] for r in records.read_rows(tmp_path / "runs.csv")] == ["skipped", "ok"]
+    from dos import results
+
+    assert list(results.rows([tmp_path], status=("ok", "skipped"))["status"]) == ["ok"]
 
 
 # ---------------------------------------------------------------- clear errors

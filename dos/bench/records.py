@@ -133,10 +133,6 @@ def read_rows(path) -> List[dict]:
     return [r for r in csv.DictReader(io.StringIO(text)) if r.get("run_id")]
 
 
-def finished_run_ids(path) -> set:
-    return {r["run_id"] for r in read_rows(path)}
-
-
 # ---------------------------------------------------------------- environment
 
 def _version(name: str) -> Optional[str]:
