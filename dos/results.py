@@ -327,6 +327,64 @@ def baseline_key(keys, baselines: Sequence[str] = NO_OFFLOAD) -> Optional[str]:
     return next((k for k in baselines if k in present), None)
 
 
+def capped_check(df: pd.DataFrame, system: str = "deepspeed-twinflow", key: str = "dos-auto") -> pd.DataFrame:
+    """Issue 7, criterion 1 (the paper's regime), per (model, GPU cap): `key`'s iteration time over
+    the fastest `system` row (a TwinFlow ratio) that ran within the same cap, from the results
+    directory of that model's latest capped `system` run (side by side: one call, one machine)."""
+    d = df[df["status"].eq("ok") & df["gpu_mem_cap_gib"].notna()] if "status" in df else df
+    out = []
+    for (model, cap), m in d.groupby(["model", "gpu_mem_cap_gib"], sort=False):
+        base = m[m["key"].eq(system)].sort_values("timestamp")
+        if not len(base):
+            continue
+        m = m[m["results_dir"].eq(base["results_dir"].iloc[-1])]
+        base, ours = m[m["key"].eq(system)], m[m["key"].eq(key)]
+        if not len(ours):
+            continue
+        best, r = base.loc[base["iter_s"].idxmin()], ours.iloc[-1]
+        out.append({"model": model, "gpu_cap_gib": cap, "key": key, "iter_s": r["iter_s"],
+                    "peak_gpu_gib": r["peak_gpu_gib"], "baseline": system,
+                    "ratios_run": ", ".join(f"{x:g}" for x in sorted(base["ratio"].dropna())),
+                    "best_ratio": best["ratio"], "baseline_iter_s": best["iter_s"],
+                    "baseline_peak_gpu_gib": best["peak_gpu_gib"], "vs_baseline": r["iter_s"] / best["iter_s"],
+                    "sweep": Path(r["results_dir"]).name, "run_id": r["run_id"]})
+    return pd.DataFrame(out)
+
+
+DESIGN_S8 = {  # DESIGN.md §8: DeepSpeed 0.19.8 on this H200 machine, median s/iter, seq 2048, mb 1
+    ("1.3B", "deepspeed-zero-offload"): 1.91, ("3B", "deepspeed-zero-offload"): 3.64,
+    ("1.3B", "deepspeed-twinflow"): 1.26, ("3B", "deepspeed-twinflow"): 2.47,
+    ("1.3B", "deepspeed-superoffload"): 3.21, ("3B", "deepspeed-superoffload"): 7.47,
+    ("1.3B", "deepspeed-zero3"): 0.69, ("3B", "deepspeed-zero3"): 1.09}
+"""The reference DeepSpeed numbers (TwinFlow at ratio 0.5; zero3: §8's no-offload column)."""
+
+
+def reference_check(df: pd.DataFrame, reference: Optional[dict] = None) -> pd.DataFrame:
+    """Issue 5, criterion 2: every recorded DeepSpeed row at DESIGN.md §8's settings (micro-batch
+    1, synthetic data, no GPU cap, TwinFlow at 0.5) against §8's median s/iter, with and without
+    gradient clipping (`clip`), and its ratio to the ZeRO-Offload row of the same results directory
+    and clipping (side by side) beside §8's ratio."""
+    ref = DESIGN_S8 if reference is None else reference
+    d = df[df["system"].str.startswith("deepspeed") & df["gpu_mem_cap_gib"].isna()
+           & df["micro_batch"].eq(1) & df["data"].isin(["synthetic", ""])
+           & (df["system"].ne("deepspeed-twinflow") | df["ratio"].eq(0.5))].copy()
+    d["clip"] = d["spec_max_grad_norm"].notna()
+    out = []
+    for r in d.sort_values("timestamp").itertuples():
+        want = ref.get((r.model, r.system))
+        if want is None:
+            continue
+        zo = d[d["results_dir"].eq(r.results_dir) & d["model"].eq(r.model) & d["clip"].eq(r.clip)
+               & d["system"].eq("deepspeed-zero-offload")]
+        zo_ref = ref.get((r.model, "deepspeed-zero-offload"))
+        out.append({"model": r.model, "system": r.system, "clip": r.clip, "sweep": Path(r.results_dir).name,
+                    "run_id": r.run_id, "iter_s": r.iter_s, "fwd_s": r.fwd_s, "bwd_s": r.bwd_s,
+                    "step_s": r.step_s, "reference_s": want, "vs_reference": r.iter_s / want - 1,
+                    "over_zero_offload": r.iter_s / zo["iter_s"].iloc[-1] if len(zo) else float("nan"),
+                    "reference_over_zero_offload": want / zo_ref if zo_ref else float("nan")})
+    return pd.DataFrame(out)
+
+
 def microbatch_check(df: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD) -> pd.DataFrame:
     """Issue 7, criterion 2, per (model, system): at the largest micro-batch the no-offload
     baseline fits (an `ok` row of the first of `baselines` present), each system's iteration time
