@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -377,8 +378,7 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     return counts
 
 
-def settled_preflight(spec: RunSpec, sweep: Sweep, override: Optional[float] = None,
-                      ) -> Optional[str]:
+def settled_preflight(spec: RunSpec, sweep: Sweep, override: Optional[float] = None) -> Optional[str]:
     """`preflight` against the host memory available now; where that is what stops the run, wait
     while it is still growing (the previous run's memory being released; e.g. ~100 GiB of pinned
     DeepSpeed buffers take seconds to free), at most `SETTLE_MAX_S`."""
@@ -399,8 +399,6 @@ def _terminate_as_exit():
     """While a sweep runs, SIGTERM raises SystemExit in the main thread, so that the run in flight
     is killed with its process group (`run_child`) instead of outliving the sweep. Returns the
     function that restores the previous handler."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
