@@ -24,7 +24,6 @@ everything before the first run.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import itertools
 import json
@@ -226,14 +225,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent():  # runs in the child between fork and exec
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the run's process group (the run and e.g. DeepSpeed's worker processes) and wait
     until none of them is left alive, so that the next run's preflight sees their memory freed."""
@@ -262,13 +253,16 @@ def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
     """Run `spec` in a fresh process; return its result dict (synthesized when it died)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec.to_dict(), indent=1))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port()),
+           "DOS_SWEEP_PID": str(os.getpid())}  # the run dies with this process (dos.bench.run)
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "dos.bench.run", str(run_dir / "spec.json"), str(run_dir)]
     with open(run_dir / "log.txt", "wb") as log:
+        # Its own session (process group) and no preexec_fn: with one, a SIGTERM arriving during
+        # the fork was lost about one time in four (the sweep ran on), and it is unsafe with threads.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=_die_with_parent)
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -119,7 +119,7 @@ def test_killed_sweep_resumes_without_lost_or_duplicated_rows(tmp_path, sig):
 def test_kill_group_waits_for_every_process_of_the_run():
     """A run's grandchildren (e.g. DeepSpeed's workers) do not die with it by themselves: the group
     is killed, and _kill_group returns only once none of them is alive (their memory is free)."""
-    proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], preexec_fn=sw._die_with_parent)
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
     for _ in range(100):
         if len([p for p in psutil.Process(proc.pid).children(recursive=True)]) == 2:
             break

@@ -10,9 +10,11 @@ The sweep parent (dos.sweep) turns it into a row; users call `python -m dos benc
 from __future__ import annotations
 
 import csv
+import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -207,7 +209,22 @@ def _write_artifacts(run_dir: Path, clock, times, lanes, res) -> None:
         res["files"]["lanes_file"] = "lanes.json"
 
 
+def die_with_parent() -> None:
+    """Started by a sweep (DOS_SWEEP_PID): get SIGKILL when the sweep dies (PR_SET_PDEATHSIG), and
+    exit at once if it died before this call."""
+    parent = os.environ.get("DOS_SWEEP_PID")
+    if not parent:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os._exit(1)
+
+
 def main(argv=None) -> int:
+    die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m dos.bench.run SPEC.json RUN_DIR", file=sys.stderr)
