@@ -359,12 +359,12 @@ DESIGN_S8 = {  # DESIGN.md §8: DeepSpeed 0.19.8 on this H200 machine, median s/
 """The reference DeepSpeed numbers (TwinFlow at ratio 0.5; zero3: §8's no-offload column)."""
 
 
-def reference_check(df: pd.DataFrame, reference: Optional[dict] = None) -> pd.DataFrame:
+def reference_check(df: pd.DataFrame) -> pd.DataFrame:
     """Issue 5, criterion 2: every recorded DeepSpeed row at DESIGN.md §8's settings (micro-batch
     1, synthetic data, no GPU cap, TwinFlow at 0.5) against §8's median s/iter, with and without
     gradient clipping (`clip`), and its ratio to the ZeRO-Offload row of the same results directory
     and clipping (side by side) beside §8's ratio."""
-    ref = DESIGN_S8 if reference is None else reference
+    ref = DESIGN_S8
     d = df[df["system"].str.startswith("deepspeed") & df["gpu_mem_cap_gib"].isna()
            & df["micro_batch"].eq(1) & df["data"].isin(["synthetic", ""])
            & (df["system"].ne("deepspeed-twinflow") | df["ratio"].eq(0.5))].copy()

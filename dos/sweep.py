@@ -52,6 +52,7 @@ _GIB = 2**30
 SETTLE_MAX_S = 60.0   # the preflight's longest wait for host memory still being released
 SETTLE_POLL_S = 1.0
 SETTLE_GROWTH_GIB = 0.5  # per poll: less growth than this, and the memory has settled
+MEMORY_REASON = "host memory preflight"  # how a skipped row for want of host memory begins
 GROUP_EXIT_S = 10.0  # how long _kill_group waits for a run's processes to be gone
 
 
@@ -212,7 +213,7 @@ def preflight(spec: RunSpec, host_gib: float, host_src: str) -> Optional[str]:
             return "transformers is not installed"
     need, how = host_bytes_estimate(spec)
     if need > host_gib * _GIB:
-        return (f"host memory preflight: needs ~{need / _GIB:.1f} GiB ({how}) but {host_gib:.1f} GiB "
+        return (f"{MEMORY_REASON}: needs ~{need / _GIB:.1f} GiB ({how}) but {host_gib:.1f} GiB "
                 f"({host_src}) is available; set host_memory_gib / DOS_HOST_MEMORY_GIB if that is wrong")
     return None
 
@@ -379,7 +380,7 @@ def settled_preflight(spec: RunSpec, sweep: Sweep, override: Optional[float] = N
     host_gib, src = available_host_gib(sweep, override)
     why = preflight(spec, host_gib, src)
     deadline = time.monotonic() + SETTLE_MAX_S
-    while (why and why.startswith("host memory preflight") and src == "available host memory"
+    while (why and why.startswith(MEMORY_REASON) and src == "available host memory"
            and time.monotonic() < deadline):
         time.sleep(SETTLE_POLL_S)
         before, (host_gib, src) = host_gib, available_host_gib(sweep, override)

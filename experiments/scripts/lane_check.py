@@ -103,10 +103,10 @@ def check(sweep: str, calib: pm.Calibration):
                                d2h_bw_cpu=(calib.d2h_duplex_bw,) * len(calib.cpu_threads))
     bound_plan, bound = pm.choose(plans[0].numels, flat, free_gpu_bytes=float("inf"), max_threads=16, resident=0)
     no_resident = runs[runs.gpu_fraction.eq(0)]  # as the bound
-    best = no_resident.step_s.min()
     host_s, host_plan = host_memory_bound(plans[0].numels, calib, flat)
     best_run = no_resident.loc[no_resident.step_s.idxmin()] if len(no_resident) else None
-    run_rate = (host_bytes(R.plan_of(best_run.to_dict())) / best_run.step_s) if best_run is not None else float("nan")
+    best = best_run.step_s if best_run is not None else float("nan")
+    run_rate = host_bytes(R.plan_of(best_run.to_dict())) / best if best_run is not None else float("nan")
     summary = {"sweep": sweep, "best_measured_s": best, "bound_s": bound.total_s, "bound_stride": bound_plan.stride,
                "bound_over_measured": bound.total_s / best, "host_bound_s": host_s,
                "host_bound_stride": host_plan.stride, "host_bound_over_measured": host_s / best,
