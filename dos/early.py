@@ -3,8 +3,9 @@
 The gradient router calls `submit(s)` once a CPU-lane subgroup's gradient is final and its D2H has
 been issued; a worker thread waits for that copy and updates the subgroup with the same code as
 `step()` (`Lanes.cpu_update`: the state in place, the new weights over the host gradient, their
-upload queued). By the end of backward part of the CPU lane is done; `step()` drains the worker
-and runs the rest (and the GPU lanes) as usual.
+upload queued). By the end of backward part of the CPU lane is done; `step()` enqueues the GPU
+lanes first, then drains the worker (its backlog overlaps them, as the CPU lane does) and runs the
+CPU subgroups it was not given.
 
 Why it is safe:
 - a subgroup's weights are no longer read by this backward once every parameter in it has its
@@ -42,7 +43,9 @@ class EarlyUpdates:
         self.enabled = True  # False until the engine allows it (after gpu_fraction="auto" sizing)
         self.paused = 0  # > 0 inside `accumulate()`
         self._error: Optional[BaseException] = None
-        self.first_submit = 0.0  # perf_counter() of this step's first early update
+        self._lock = threading.Lock()
+        self._busy = 0.0  # seconds the worker spent in this step's finished updates
+        self._since: Optional[float] = None  # perf_counter() the update in progress started
         self._thread = threading.Thread(target=self._loop, name="dos-overlap-backward", daemon=True)
         self._thread.start()
 
@@ -57,7 +60,14 @@ class EarlyUpdates:
                 s, hyper = item
                 update = self._update_ref()
                 if self._error is None and update is not None:  # after a failure: step() reports
-                    update(s, hyper, self.spans, spare=1)  # one core left to backward's thread
+                    with self._lock:
+                        self._since = time.perf_counter()
+                    try:
+                        update(s, hyper, self.spans, spare=1)  # one core left to backward's thread
+                    finally:
+                        with self._lock:
+                            self._busy += time.perf_counter() - self._since
+                            self._since = None
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the caller's thread
                 self._error = e
             finally:
@@ -80,11 +90,16 @@ class EarlyUpdates:
             return
         if self.hyper is None:
             self.hyper = self._hyper_ref()(1)
-            self.first_submit = time.perf_counter()  # the CPU lane's head start begins
         self._started.add(s)
         self._q.put((s, self.hyper))
 
     # -- called from step() -------------------------------------------------------------------
+    def busy_s(self) -> float:
+        """Seconds the worker has been updating this step so far: at `step()`'s start, the CPU
+        lane's head start (its work done during backward; waiting for gradients not counted)."""
+        with self._lock:
+            return self._busy + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
     def drain(self) -> frozenset:
         """Wait for every submitted update; the subgroups done. Re-raises a worker's error."""
         self._q.join()
@@ -100,6 +115,8 @@ class EarlyUpdates:
     def reset(self) -> None:
         """After the step: nothing is updated any more."""
         self._started, self.hyper = set(), None
+        with self._lock:
+            self._busy = 0.0
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import weakref
 from fractions import Fraction
 from typing import Iterable, List, Optional
@@ -161,27 +160,29 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         for group in self.param_groups:
             validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         hyper = self._hyper(1)
-        early, done = self._early, frozenset()
-        if early is not None:
-            done = early.drain()  # the CPU subgroups updated during backward
-            if done and early.hyper != hyper:
+        early = self._early
+        if early is not None and early.hyper is not None:  # the CPU lane started in backward
+            if early.hyper != hyper:
+                early.drain()  # nothing may still run when the error reaches the caller
                 raise RuntimeError("dos: the hyperparameters changed between backward and step() "
                                    "with overlap_backward=True (the CPU lane started during "
                                    "backward with the old ones): set lr etc. before backward")
-        self._steps = [n + 1 for n in self._steps]
-        self.last_overlapped = len(done)
-        if done:  # the window the CPU lane had during this backward
-            h = time.perf_counter() - early.first_submit
+            # Its head start: the seconds it has been updating (not waiting for gradients) so
+            # far. Its backlog runs on, overlapping the GPU lanes, and is drained by the update.
+            h = early.busy_s()
             self.head_start_s = h if not self.head_start_s else 0.5 * (self.head_start_s + h)
-        earlier = self._grads.take_spans() + (early.take_spans() if early is not None else [])
-        self._tl.begin(max(self._steps), earlier=earlier)
+        self._steps = [n + 1 for n in self._steps]
+        self._tl.begin(max(self._steps), earlier=self._grads.take_spans())
         if self._sizing:
             self._sizing = False
             self._size_resident()
         elif self._refining and early is None:
             self._refine()  # on the previous step's lane times, for this step
         scale_t, scale = self._clip_scale()
-        self._lanes.run(hyper, scale_t, scale, done)
+        done = self._lanes.run(hyper, scale_t, scale, early.drain if early is not None else None)
+        self.last_overlapped = len(done)
+        if early is not None:
+            self._tl.add(early.take_spans())  # the early updates' spans, once all have ended
         self._tl.finish()
         if early is not None:
             # With overlap_backward, re-plan after the update instead: the next backward starts

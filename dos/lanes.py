@@ -6,7 +6,8 @@ Order of one step:
    three copies/updates of consecutive subgroups overlapping on their own streams.
 2. Meanwhile the host runs the CPU lane: for each subgroup, wait for its gradient's D2H, update
    the state in place and write the weights (param dtype) over the consumed gradient, then queue
-   their upload.
+   their upload. With updates overlapped with backward, it first waits for those still running
+   (they overlap the GPU lanes too) and skips the subgroups they updated.
 3. The main stream waits for the weight writes of every lane, so the next forward never sees a
    stale or half-written weight.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -48,9 +49,11 @@ class Lanes:
         self.step_t = [torch.zeros((), device=device) for _ in layout.buckets]
 
     def run(self, hyper: Sequence[Hyper], scale_t: Optional[torch.Tensor], scale: float,
-            done: frozenset = frozenset()) -> None:
+            drain: Optional[Callable[[], frozenset]] = None) -> frozenset:
         """One update phase. `scale_t`/`scale`: gradient divisor (clipping) on device / host.
-        `done`: CPU subgroups already updated during backward (`dos.early`)."""
+        `drain`: with updates overlapped with backward (`dos.early`), waits for them and gives the
+        CPU subgroups they updated; called once the GPU lanes are enqueued, so that the early
+        updates still running overlap those lanes. Returns those subgroups."""
         sync = self.sync
         self.grads.flush()
         # The GPU update reads gradients (and the clipping scale) that the main stream produced.
@@ -60,10 +63,12 @@ class Lanes:
                 self.step_t[b].fill_(float(h.step))  # a kernel argument: no host->device copy
         self._resident(hyper, scale_t)
         self._staged(hyper, scale_t)
+        done = drain() if drain is not None else frozenset()
         self._cpu(hyper, scale, done)
         # The next forward reads weights written by the compute and upload streams.
         sync.wait("main", sync.record("compute"), "gpu_update->forward")
         sync.wait("main", sync.record("upload"), "upload->forward")
+        return done
 
     def _update_on_device(self, s: int, state: torch.Tensor, hyper, scale_t) -> None:
         sg = self.layout.subgroups[s]

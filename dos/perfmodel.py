@@ -19,10 +19,12 @@ dos/lanes.py runs it (n_j: elements of subgroup j; S: staging slots; t: CPU thre
             Cc = N_cpu / R_cpu_dma(t),
               Cc >= Pc:  T_staged = Pc,  T_cpu = Pc + (N_cpu - Pc R_cpu_dma) / R_cpu
               Cc <  Pc:  T_cpu = Cc,     T_staged = Cc + (1 - Cc / Pc) Pu
-  head start  with the CPU lane overlapped with backward (`overlap_backward`), H seconds of
-            backward are CPU time too: min(N_cpu - n_last, R_cpu(t - 1) H) elements are done
-            before `step()` (one core is left to backward; the last CPU subgroup's gradient is
-            the last to arrive), and only the rest enters the overlap above and the H2D bound.
+  head start  with the CPU lane overlapped with backward (`overlap_backward`), it has updated for
+            H seconds when `step()` starts (the engine measures H: the worker's busy time, not
+            its waits for gradients): min(N_cpu - n_last, R_cpu(t - 1) H) elements are done
+            (one core is left to backward; the last CPU subgroup's gradient is the last to
+            arrive), and only the rest enters the overlap above and the H2D bound (the GPU
+            lanes start at once; the worker's backlog overlaps them).
   tail      the last CPU subgroup's upload, param_bytes n_last / B_h2d, after T_cpu.
   total     max(T_cpu + tail, T_staged, t_gpu, H2D bytes / B_h2d, D2H bytes / B_d2h); the last
             two are lower bounds at the alone rates. Gradient D2H of CPU subgroups runs during

@@ -37,6 +37,11 @@ class Timeline:
             self.sync.host_wait(self._ref, "trace")  # puts the two clocks together (tracing only)
             self._t0 = time.perf_counter()
 
+    def add(self, spans: list) -> None:
+        """Spans recorded elsewhere during this step (updates overlapped with backward)."""
+        if self.enabled:
+            self._spans.extend(spans)
+
     def gpu_start(self, stream: str) -> Optional[object]:
         return self.sync.record(stream) if self.enabled and self.sync.is_async else None
 

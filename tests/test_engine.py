@@ -5,6 +5,8 @@ update code) and, with the `gpu` marker, on CUDA with real streams and pinned me
 """
 import copy
 import io
+import time
+from typing import Optional
 
 import pytest
 import torch
@@ -571,6 +573,75 @@ def test_overlap_backward_measures_its_head_start_and_replans_with_it(monkeypatc
     train("transformer", a, opt, 6)
     train("transformer", b, ref, 6)
     assert opt.head_start_s > 0 and opt._searched_head_start > 0  # measured and searched with
+    assert max_diff(a, b) <= 1e-5
+
+
+def _slow_worker(opt, seconds: float, log: Optional[list] = None):
+    """Make each update overlapped with backward take `seconds` longer (a slow CPU lane)."""
+    update = opt._lanes.cpu_update
+
+    def slow(s, *args, **kw):
+        time.sleep(seconds)
+        update(s, *args, **kw)
+        if log is not None:
+            log.append(("early", s))
+    opt._early._update_ref = lambda: slow
+
+
+@pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[4]], ids=["cpu", "k2"])
+def test_overlap_head_start_is_the_workers_time_before_step_not_its_backlog(placement):
+    """The head start the model plans with is the CPU lane's work done before step() starts: a
+    backlog the worker still has then is drained inside step() and is not counted (it was, and
+    made the model believe nearly all CPU work hid behind backward: all-CPU plans, predicted
+    ~0.01 s, measured 1.35 s at 7B micro-batch 1 on the H200). The result stays the oracle's."""
+    a, opt, b, ref = pair("transformer", subgroup_numel=700, overlap_backward=True, **placement)
+    delay = 0.1
+    _slow_worker(opt, delay)
+    opt.zero_grad()
+    _backward(a)
+    time.sleep(delay / 2)  # the worker is in its first update when step() starts
+    opt.step()
+    train("transformer", b, ref, 1)
+    n = opt.last_overlapped
+    assert n >= 4 and n == sum(1 for s, x in enumerate(opt.plan.lanes) if x == "cpu" and opt._grads.need[s])
+    # At step() the worker has updated for about delay / 2 (a backward of this model takes
+    # milliseconds); the whole backlog is n * delay.
+    assert delay / 4 < opt.head_start_s < 0.5 * n * delay
+    assert max_diff(a, b) <= 1e-5
+
+
+def test_overlap_gpu_lanes_are_enqueued_before_the_worker_is_drained():
+    """With updates overlapped with backward, step() enqueues the resident and staged lanes
+    first and only then waits for the worker's backlog (they overlap, as the plan predicts); the
+    CPU subgroups it updated are not updated again."""
+    a, opt, b, ref = pair("transformer", subgroup_numel=700, overlap_backward=True, **PLACEMENTS[4])
+    log: list = []
+    _slow_worker(opt, 0.02, log)
+    lanes, drain = opt._lanes, opt._early.drain
+    staged = lanes._staged
+
+    def logged_staged(*args):
+        log.append(("staged", None))
+        staged(*args)
+
+    def logged_drain():
+        log.append(("drain", None))
+        return drain()
+    lanes._staged, opt._early.drain = logged_staged, logged_drain
+    updates: list = []
+    cpu_update = lanes.cpu_update
+    lanes.cpu_update = lambda s, *args, **kw: (updates.append(s), cpu_update(s, *args, **kw))[1]
+    for step in range(3):
+        log.clear(), updates.clear()
+        train("transformer", a, opt, 1, start=step)
+        train("transformer", b, ref, 1, start=step)
+        kinds = [k for k, _ in log]  # (zero_grad() drains too, before backward)
+        assert kinds.index("staged") < len(kinds) - 1 - kinds[::-1].index("drain")
+        assert "early" in kinds[kinds.index("staged"):]  # the backlog ran on after the enqueue
+        early = {s for k, s in log if k == "early"}
+        assert early and not early & set(updates)  # step() updated only the others
+        assert early | set(updates) == {s for s, x in enumerate(opt.plan.lanes)
+                                        if x == "cpu" and opt._grads.need[s]}
     assert max_diff(a, b) <= 1e-5
 
 
