@@ -43,9 +43,7 @@ class EarlyUpdates:
         self.enabled = True  # False until the engine allows it (after gpu_fraction="auto" sizing)
         self.paused = 0  # > 0 inside `accumulate()`
         self._error: Optional[BaseException] = None
-        self._lock = threading.Lock()
-        self._busy = 0.0  # seconds the worker spent in this step's finished updates
-        self._since: Optional[float] = None  # perf_counter() the update in progress started
+        self.first_submit = 0.0  # perf_counter() of this step's first early update
         self._thread = threading.Thread(target=self._loop, name="dos-overlap-backward", daemon=True)
         self._thread.start()
 
@@ -60,14 +58,7 @@ class EarlyUpdates:
                 s, hyper = item
                 update = self._update_ref()
                 if self._error is None and update is not None:  # after a failure: step() reports
-                    with self._lock:
-                        self._since = time.perf_counter()
-                    try:
-                        update(s, hyper, self.spans, spare=1)  # one core left to backward's thread
-                    finally:
-                        with self._lock:
-                            self._busy += time.perf_counter() - self._since
-                            self._since = None
+                    update(s, hyper, self.spans, spare=1)  # one core left to backward's thread
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the caller's thread
                 self._error = e
             finally:
@@ -90,16 +81,11 @@ class EarlyUpdates:
             return
         if self.hyper is None:
             self.hyper = self._hyper_ref()(1)
+            self.first_submit = time.perf_counter()  # the CPU lane's head start begins
         self._started.add(s)
         self._q.put((s, self.hyper))
 
     # -- called from step() -------------------------------------------------------------------
-    def busy_s(self) -> float:
-        """Seconds the worker has been updating this step so far: at `step()`'s start, the CPU
-        lane's head start (its work done during backward; waiting for gradients not counted)."""
-        with self._lock:
-            return self._busy + (time.perf_counter() - self._since if self._since is not None else 0.0)
-
     def drain(self) -> frozenset:
         """Wait for every submitted update; the subgroups done. Re-raises a worker's error."""
         self._q.join()
@@ -115,8 +101,6 @@ class EarlyUpdates:
     def reset(self) -> None:
         """After the step: nothing is updated any more."""
         self._started, self.hyper = set(), None
-        with self._lock:
-            self._busy = 0.0
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -19,9 +19,9 @@ dos/lanes.py runs it (n_j: elements of subgroup j; S: staging slots; t: CPU thre
             Cc = N_cpu / R_cpu_dma(t),
               Cc >= Pc:  T_staged = Pc,  T_cpu = Pc + (N_cpu - Pc R_cpu_dma) / R_cpu
               Cc <  Pc:  T_cpu = Cc,     T_staged = Cc + (1 - Cc / Pc) Pu
-  head start  with the CPU lane overlapped with backward (`overlap_backward`), it has updated for
-            H seconds when `step()` starts (the engine measures H: the worker's busy time, not
-            its waits for gradients): min(N_cpu - n_last, R_cpu(t - 1) H) elements are done
+  head start  with the CPU lane overlapped with backward (`overlap_backward`), it has had H
+            seconds when `step()` starts (the engine measures H then, from its first update):
+            min(N_cpu - n_last, R_cpu(t - 1) H) elements are done
             (one core is left to backward; the last CPU subgroup's gradient is the last to
             arrive), and only the rest enters the overlap above and the H2D bound (the GPU
             lanes start at once; the worker's backlog overlaps them).

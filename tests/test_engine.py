@@ -590,7 +590,7 @@ def _slow_worker(opt, seconds: float, log: Optional[list] = None):
 
 @pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[4]], ids=["cpu", "k2"])
 def test_overlap_head_start_is_the_workers_time_before_step_not_its_backlog(placement):
-    """The head start the model plans with is the CPU lane's work done before step() starts: a
+    """The head start the model plans with is the time the CPU lane had before step() starts: a
     backlog the worker still has then is drained inside step() and is not counted (it was, and
     made the model believe nearly all CPU work hid behind backward: all-CPU plans, predicted
     ~0.01 s, measured 1.35 s at 7B micro-batch 1 on the H200). The result stays the oracle's."""
@@ -604,7 +604,7 @@ def test_overlap_head_start_is_the_workers_time_before_step_not_its_backlog(plac
     train("transformer", b, ref, 1)
     n = opt.last_overlapped
     assert n >= 4 and n == sum(1 for s, x in enumerate(opt.plan.lanes) if x == "cpu" and opt._grads.need[s])
-    # At step() the worker has updated for about delay / 2 (a backward of this model takes
+    # At step() the worker has had about delay / 2 (a backward of this model takes
     # milliseconds); the whole backlog is n * delay.
     assert delay / 4 < opt.head_start_s < 0.5 * n * delay
     assert max_diff(a, b) <= 1e-5
