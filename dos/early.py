@@ -38,6 +38,7 @@ class EarlyUpdates:
         self._device = device
         self._q: "queue.Queue" = queue.Queue()
         self._started = set()  # subgroups submitted this step
+        self.finished: list = []  # ... and updated, in order (appended by the worker)
         self.hyper: Optional[list] = None  # the hyperparameters this step's early updates use
         self.spans: list = []  # host spans of the early CPU updates (the timeline's "earlier")
         self.enabled = True  # False until the engine allows it (after gpu_fraction="auto" sizing)
@@ -59,6 +60,7 @@ class EarlyUpdates:
                 update = self._update_ref()
                 if self._error is None and update is not None:  # after a failure: step() reports
                     update(s, hyper, self.spans, spare=1)  # one core left to backward's thread
+                    self.finished.append(s)
             except BaseException as e:  # noqa: BLE001 - re-raised by drain() on the caller's thread
                 self._error = e
             finally:
@@ -86,6 +88,11 @@ class EarlyUpdates:
         self._q.put((s, self.hyper))
 
     # -- called from step() -------------------------------------------------------------------
+    def progress(self) -> tuple:
+        """(subgroups updated so far, whether submitted ones are still waiting or running)."""
+        done = list(self.finished)
+        return done, len(done) < len(self._started)
+
     def drain(self) -> frozenset:
         """Wait for every submitted update; the subgroups done. Re-raises a worker's error."""
         self._q.join()
@@ -100,7 +107,7 @@ class EarlyUpdates:
 
     def reset(self) -> None:
         """After the step: nothing is updated any more."""
-        self._started, self.hyper = set(), None
+        self._started, self.hyper, self.finished = set(), None, []
 
     def close(self) -> None:
         if self._thread.is_alive():

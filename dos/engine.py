@@ -168,10 +168,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 raise RuntimeError("dos: the hyperparameters changed between backward and step() "
                                    "with overlap_backward=True (the CPU lane started during "
                                    "backward with the old ones): set lr etc. before backward")
-            # Its head start: the seconds since its first update, measured now; its backlog
-            # runs on, overlapping the GPU lanes, and is drained by the update (measured after
-            # the drain, the backlog counted too: all-CPU plans predicted 0.01 s took 1.35 s).
-            h = time.perf_counter() - early.first_submit
+            # Its head start, measured now (after the drain, the backlog counted too: all-CPU
+            # plans predicted 0.01 s took 1.35 s); its backlog runs on, overlapping the GPU
+            # lanes, and is drained by the update.
+            window = time.perf_counter() - early.first_submit
+            done, backlog = early.progress()
+            h = perfmodel.head_start(window, sum(self.layout.subgroups[s].numel for s in done), backlog,
+                                     self.calibration, self.plan.cpu_threads)
             self.head_start_s = h if not self.head_start_s else 0.5 * (self.head_start_s + h)
         self._steps = [n + 1 for n in self._steps]
         self._tl.begin(max(self._steps), earlier=self._grads.take_spans())
@@ -345,7 +348,17 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return {"plan": self.plan.to_record(), "config": self.config.to_record(),
                 "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
-                "n_params": self.layout.n_params}
+                "n_params": self.layout.n_params, "online": self.online_record()}
+
+    def online_record(self) -> dict:
+        """What online planning did: each re-plan (step, stride, shares, threads, prediction) and
+        the head start it last planned with (overlap_backward)."""
+        keep = ("stride", "staged_share", "resident_fraction", "cpu_threads", "staging_slots", "source")
+        return {"head_start_s": round(self.head_start_s, 6), "last_overlapped": self.last_overlapped,
+                "replans": [dict({k: e["plan"].get(k) for k in keep}, step=e["step"],
+                                 predicted_step_s=e["predicted_step_s"],
+                                 **({"free_gpu_gib": e["free_gpu_gib"]} if "free_gpu_gib" in e else {}))
+                            for e in self.replans]}
 
     def close(self) -> None:
         """Release the hooks and unpin the host memory (the optimizer is unusable afterwards)."""

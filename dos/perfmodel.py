@@ -20,7 +20,7 @@ dos/lanes.py runs it (n_j: elements of subgroup j; S: staging slots; t: CPU thre
               Cc >= Pc:  T_staged = Pc,  T_cpu = Pc + (N_cpu - Pc R_cpu_dma) / R_cpu
               Cc <  Pc:  T_cpu = Cc,     T_staged = Cc + (1 - Cc / Pc) Pu
   head start  with the CPU lane overlapped with backward (`overlap_backward`), it has had H
-            seconds when `step()` starts (the engine measures H then, from its first update):
+            seconds when `step()` starts (measured then, from its first update; `head_start`):
             min(N_cpu - n_last, R_cpu(t - 1) H) elements are done
             (one core is left to backward; the last CPU subgroup's gradient is the last to
             arrive), and only the rest enters the overlap above and the H2D bound (the GPU
@@ -247,6 +247,20 @@ def overlap(cpu_work: float, r_alone: float, r_dma: float, p_dma: float, p_alone
         return p_dma + (cpu_work - p_dma * r_dma) / r_alone, p_dma, 1.0
     frac = c_dma / p_dma
     return c_dma, c_dma + (1 - frac) * p_alone, frac
+
+
+def head_start(window_s: float, done_numel: int, backlog: bool, calib: Optional[Calibration],
+               cpu_threads: int) -> float:
+    """The head start to plan with, from one overlapped backward: the window the CPU lane had
+    (from its first update to `step()`), or, where it still had a backlog at `step()` (it did not
+    keep up), the time its finished work takes at the calibrated rate, when that is shorter. A
+    worker that did not keep up did less than rate x window: it also waits for each gradient's
+    D2H and its queue, and shares the host with backward (7B, micro-batch 8 on the H200: 104 of
+    134 subgroups done at `step()`, where the window at the rate implied 118). A worker that kept
+    up did all it was given: the window is then what a plan with more CPU work could use."""
+    if not backlog or calib is None:
+        return window_s
+    return min(window_s, done_numel / calib.cpu(max(1, cpu_threads - 1)))
 
 
 def head_start_work(plan: Plan, calib: Calibration, head_start_s: float) -> float:

@@ -327,10 +327,15 @@ def baseline_key(keys, baselines: Sequence[str] = NO_OFFLOAD) -> Optional[str]:
     return next((k for k in baselines if k in present), None)
 
 
+CALL_S = 600  # a device call's limit: rows further apart than this were measured in different calls
+
+
 def capped_check(df: pd.DataFrame, system: str = "deepspeed-twinflow", key: str = "dos-auto") -> pd.DataFrame:
     """Issue 7, criterion 1 (the paper's regime), per (model, GPU cap): `key`'s iteration time over
     the fastest `system` row (a TwinFlow ratio) that ran within the same cap, from the results
-    directory of that model's latest capped `system` run (side by side: one call, one machine)."""
+    directory of that model's latest capped `system` run (one machine kind). `apart_s`: seconds
+    between the two rows; `same_call`: within CALL_S of each other (side by side in one call;
+    a sweep resumed in a later call is not)."""
     d = df[df["status"].eq("ok") & df["gpu_mem_cap_gib"].notna()] if "status" in df else df
     out = []
     for (model, cap), m in d.groupby(["model", "gpu_mem_cap_gib"], sort=False):
@@ -342,11 +347,13 @@ def capped_check(df: pd.DataFrame, system: str = "deepspeed-twinflow", key: str 
         if not len(ours):
             continue
         best, r = base.loc[base["iter_s"].idxmin()], ours.iloc[-1]
+        apart = abs((pd.Timestamp(r["timestamp"]) - pd.Timestamp(best["timestamp"])).total_seconds())
         out.append({"model": model, "gpu_cap_gib": cap, "key": key, "iter_s": r["iter_s"],
                     "peak_gpu_gib": r["peak_gpu_gib"], "baseline": system,
                     "ratios_run": ", ".join(f"{x:g}" for x in sorted(base["ratio"].dropna())),
                     "best_ratio": best["ratio"], "baseline_iter_s": best["iter_s"],
                     "baseline_peak_gpu_gib": best["peak_gpu_gib"], "vs_baseline": r["iter_s"] / best["iter_s"],
+                    "apart_s": apart, "same_call": apart <= CALL_S,
                     "sweep": Path(r["results_dir"]).name, "run_id": r["run_id"]})
     return pd.DataFrame(out)
 

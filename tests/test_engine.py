@@ -610,6 +610,29 @@ def test_overlap_head_start_is_the_workers_time_before_step_not_its_backlog(plac
     assert max_diff(a, b) <= 1e-5
 
 
+def test_overlap_head_start_of_a_worker_behind_is_its_finished_work(monkeypatch):
+    """With a calibration, a worker that had not caught up when step() started gets the head
+    start its finished work takes at the calibrated rate (it waited on gradients and shared the
+    host with backward), not the whole window; the record says what online planning used."""
+    import dos.engine
+    from dos.perfmodel import DESIGN_H200
+
+    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    a, opt, b, ref = pair("transformer", subgroup_numel=700, placement="cpu", cpu_threads=2,
+                          overlap_backward=True)
+    _slow_worker(opt, 0.1)
+    opt.zero_grad()
+    _backward(a)
+    time.sleep(0.05)  # a 0.05 s window, in which the worker finishes at most one subgroup
+    opt.step()
+    train("transformer", b, ref, 1)
+    assert 0 <= opt.head_start_s < 700 / DESIGN_H200.cpu(1) * 1.01
+    online = opt.describe()["online"]
+    assert online["head_start_s"] == pytest.approx(opt.head_start_s, abs=1e-6)
+    assert online["last_overlapped"] == opt.last_overlapped > 0 and online["replans"] == []
+    assert max_diff(a, b) <= 1e-5
+
+
 def test_overlap_gpu_lanes_are_enqueued_before_the_worker_is_drained():
     """With updates overlapped with backward, step() enqueues the resident and staged lanes
     first and only then waits for the worker's backlog (they overlap, as the plan predicts); the

@@ -167,14 +167,23 @@ def test_lane_check_bounds_the_update_phase_by_host_memory_traffic():
 
 
 def test_capped_check_compares_dos_with_the_fastest_twinflow_ratio_in_the_cap():
-    """Issue 7 in the paper's regime, from the records: 7B with the GPU capped at 40 GiB, dos auto
-    against DeepSpeed TwinFlow 0.8 (the smallest ratio under the cap) in one call: 0.239x (<= 0.6x);
-    a dos run of another call (stride-7b-40g) is not compared."""
+    """Issue 7 in the paper's regime, from the records: 7B with the GPU capped at 40 GiB, against
+    DeepSpeed TwinFlow 0.9, the faster of the ratios under the cap (6.68 s; 0.8: 7.20 s): dos auto
+    0.258x (<= 0.6x; measured in the call with TwinFlow 0.8, where it was 0.239x) and dos
+    interleaved 0.236x side by side with it; a dos run of another sweep (stride-7b-40g) is not
+    compared."""
     rows = results.rows([ROOT / "experiments/results/twinflow-7b-40g", ROOT / "experiments/results/stride-7b-40g"])
     (chk,) = results.capped_check(rows).to_dict("records")
-    assert (chk["model"], chk["gpu_cap_gib"], chk["best_ratio"], chk["sweep"]) == ("7B", 40, 0.8, "twinflow-7b-40g")
-    assert chk["vs_baseline"] == pytest.approx(0.239, abs=1e-3) and chk["vs_baseline"] <= 0.6
+    assert (chk["model"], chk["gpu_cap_gib"], chk["best_ratio"], chk["sweep"]) == ("7B", 40, 0.9, "twinflow-7b-40g")
+    assert chk["ratios_run"] == "0.8, 0.9"
+    assert chk["vs_baseline"] == pytest.approx(0.258, abs=1e-3) and chk["vs_baseline"] <= 0.6
+    assert not chk["same_call"] and chk["apart_s"] > results.CALL_S
     assert chk["peak_gpu_gib"] <= 40 and chk["baseline_peak_gpu_gib"] <= 40
+    (inter,) = results.capped_check(rows, key="dos-interleaved").to_dict("records")
+    assert inter["vs_baseline"] == pytest.approx(0.236, abs=1e-3) and inter["same_call"]
+    tf = rows[rows["key"].eq("deepspeed-twinflow")].set_index("ratio")
+    auto = rows[rows["key"].eq("dos-auto") & rows["results_dir"].eq(tf["results_dir"].iloc[0])]
+    assert auto["iter_s"].iloc[-1] / tf.loc[0.8, "iter_s"] == pytest.approx(0.239, abs=1e-3)  # its own call
     assert results.capped_check(rows[rows["key"].ne("deepspeed-twinflow")]).empty
     faster = rows.assign(iter_s=rows["iter_s"].where(rows["key"].ne("deepspeed-twinflow"), 1.0))
     assert results.capped_check(faster)["vs_baseline"].iloc[0] > 1  # the check can fail
@@ -200,13 +209,19 @@ def test_reference_check_sets_deepspeed_rows_beside_design_section_8():
 def test_microbatch_check_compares_at_the_largest_micro_batch_no_offload_fits():
     """Issue 7, criterion 2, from the H200 records: no offload fits micro-batch 8 at 7B (128.8 GiB);
     there dos auto (all state resident) is within 15% (+1.2%), dos interleaved without resident
-    state is not (+67%: its 1.3 s update phase is not overlapped with backward)."""
+    state is not (+67%: its 1.3 s update phase is not overlapped with backward). With the CPU lane
+    overlapped with backward and no state on the GPU (37.7 GiB), dos cpu is +14.9% and dos
+    interleaved +16.7% (its plan stayed all-CPU)."""
     rows = results.rows([ROOT / "experiments/results/microbatch"])
     chk = results.microbatch_check(rows).set_index("key")
     assert set(chk["micro_batch"]) == {8}
     assert chk.loc["dos-auto", "vs_baseline"] == pytest.approx(0.012, abs=1e-3)
     assert chk.loc["dos-interleaved", "vs_baseline"] == pytest.approx(0.670, abs=1e-3)
-    assert (chk["vs_baseline"] < 0.15).to_dict() == {"dos-auto": True, "dos-interleaved": False, "dos-cpu": False}
+    assert chk.loc["dos-cpu-overlap", "vs_baseline"] == pytest.approx(0.149, abs=1e-3)
+    assert chk.loc["dos-interleaved-overlap", "vs_baseline"] == pytest.approx(0.167, abs=1e-3)
+    assert (chk["vs_baseline"] < 0.15).to_dict() == {
+        "dos-auto": True, "dos-interleaved": False, "dos-cpu": False, "dos-cpu-overlap": True,
+        "dos-interleaved-overlap": False}
     # Without an ok baseline row at a micro-batch, the check moves to the largest one it has.
     fewer = rows[~(rows["key"].eq("torch-gpu") & rows["micro_batch"].eq(8))]
     assert set(results.microbatch_check(fewer)["micro_batch"]) == {4}
@@ -215,20 +230,23 @@ def test_microbatch_check_compares_at_the_largest_micro_batch_no_offload_fits():
 def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
     """Issue 7, criterion 3: 300 steps of 1.3B on the stdlib corpus, dos interleaved against no
     offload: every 50-step window's mean loss within 0.5% and the per-step differences below 10% of
-    the loss's step-to-step noise. A curve 1% higher, or one with noise of its own, fails."""
+    the loss's step-to-step noise; DeepSpeed ZeRO-Offload alongside (its 200 steps) holds it too. A
+    curve 1% higher, or one with noise of its own, fails."""
     steps = results.steps(results.rows([ROOT / "experiments/results/convergence"]))
     chk = results.convergence_check(steps)
-    assert len(chk) == 6 and set(chk["key"]) == {"dos-interleaved"}
+    assert chk["key"].value_counts().to_dict() == {"dos-interleaved": 6, "deepspeed-zero-offload": 4}
     assert chk["mean_rel_diff"].abs().max() < 0.005 and chk["diff_over_noise"].max() < 0.10
+    assert list(chk[chk["key"].eq("deepspeed-zero-offload")]["steps"])[-1] == "150-201"  # its 200 steps
     dos = steps["key"].eq("dos-interleaved")
     shifted = steps.assign(loss=steps["loss"].where(~dos, steps["loss"] * 1.01))
-    assert results.convergence_check(shifted)["mean_rel_diff"].abs().min() > 0.005
+    mine = lambda chk: chk[chk["key"].eq("dos-interleaved")]  # noqa: E731
+    assert mine(results.convergence_check(shifted))["mean_rel_diff"].abs().min() > 0.005
     rng = np.random.default_rng(0)
     noisy = steps.assign(loss=steps["loss"] + dos * rng.normal(0, 0.1, len(steps)))
-    assert results.convergence_check(noisy)["diff_over_noise"].max() > 0.10
+    assert mine(results.convergence_check(noisy))["diff_over_noise"].max() > 0.10
     # A shorter run (DeepSpeed's 200 steps) is compared over the steps it has.
     short = results.convergence_check(steps[~(dos & steps["step"].ge(202))])
-    assert list(short["steps"]) == ["0-49", "50-99", "100-149", "150-201"]
+    assert list(short[short["key"].eq("dos-interleaved")]["steps"]) == ["0-49", "50-99", "100-149", "150-201"]
 
 
 def test_results_table_lists_the_gpu_records():

@@ -305,6 +305,25 @@ def test_head_start_moves_cpu_work_into_backward_and_shifts_the_choice():
     assert new.share(STAGED) == 0
 
 
+def test_head_start_of_a_worker_that_did_not_keep_up_is_its_finished_work():
+    """The head start planned with: the window the CPU lane had, or, where it still had a backlog
+    at step(), its finished work at R(t - 1) when that is shorter (never longer than the window)."""
+    r15 = H200.cpu(15)
+    assert pm.head_start(1.3, 10**9, False, H200, 16) == 1.3  # it kept up: the whole window
+    assert pm.head_start(1.3, 10**9, True, None, 16) == 1.3  # no rates to convert with
+    assert pm.head_start(1.3, 10**9, True, H200, 16) == pytest.approx(1e9 / r15)
+    assert pm.head_start(1.3, 10**12, True, H200, 16) == 1.3
+    assert pm.head_start(1.3, 10**8, True, H200, 1) == pytest.approx(1e8 / H200.cpu(1))  # one thread: 1
+    # A worker behind (as at 7B, micro-batch 8 on the H200: 104 of 134 subgroups done when step()
+    # started, where the window at the calibrated rate implied 118): the plan sees what is left.
+    done = 80 * SG
+    h = pm.head_start(1.31, done, True, H200, 16)
+    assert h < 1.31
+    cpu = plan_of(NUMELS_7B, 0)
+    assert pm.predict(cpu, H200, head_start_s=h).cpu_s == pytest.approx((N7B - done) / H200.cpu(16))
+    assert pm.predict(cpu, H200, head_start_s=h).cpu_s > pm.predict(cpu, H200, head_start_s=1.31).cpu_s
+
+
 # -- Calibration ---------------------------------------------------------------------------------
 
 def test_calibration_json_roundtrip_and_validation():

@@ -102,7 +102,7 @@ class DosSystem(_Base):
         d = self.opt.describe()  # the optimizer's own record: plan, config, kernel, host bytes
         return {"plan": d["plan"], "config": {"engine": d["config"]},
                 "predicted_step_s": d["plan"]["predicted_step_s"], "cpu_impl": d["cpu_impl"],
-                "host_bytes_per_param": d["host_bytes_per_param"]}
+                "host_bytes_per_param": d["host_bytes_per_param"], "online": d["online"]}
 
     def timeline(self):
         return list(self.opt.timeline()) if self.spec.trace else []

@@ -7,6 +7,8 @@
 # - NOTEBOOKS: `python -m dos run --rerun --only NOTEBOOKS` (papermill; each notebook runs its
 #   sweeps, resumably, into experiments/results/, then plots)
 # - SWEEP...: `python -m dos sweep` (after `python -m dos calibrate --cached`)
+# Rows record git_sha: the device's copy of the checkout has the last landed commit's .git under
+# this session's files, so prefix the command with DOS_GIT_SHA=<this checkout's short sha>.
 # Everything under experiments/results and figures/ that changed comes back in $OUT/results.tar.gz,
 # also when the budget runs out mid-sweep (the run in flight is lost; the sweep resumes next call).
 set -u
