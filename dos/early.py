@@ -40,7 +40,7 @@ class EarlyUpdates:
         self._started = set()  # subgroups submitted this step
         self.finished: list = []  # ... and updated, in order (appended by the worker)
         self.hyper: Optional[list] = None  # the hyperparameters this step's early updates use
-        self.spans: list = []  # host spans of the early CPU updates (the timeline's "earlier")
+        self.spans: list = []  # spans of the early CPU updates and their uploads (for the timeline)
         self.enabled = True  # False until the engine allows it (after gpu_fraction="auto" sizing)
         self.paused = 0  # > 0 inside `accumulate()`
         self._error: Optional[BaseException] = None

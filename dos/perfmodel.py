@@ -21,10 +21,10 @@ dos/lanes.py runs it (n_j: elements of subgroup j; S: staging slots; t: CPU thre
               Cc <  Pc:  T_cpu = Cc,     T_staged = Cc + (1 - Cc / Pc) Pu
   head start  with the CPU lane overlapped with backward (`overlap_backward`), it has had H
             seconds when `step()` starts (measured then, from its first update; `head_start`):
-            min(N_cpu - n_last, R_cpu(t - 1) H) elements are done
-            (one core is left to backward; the last CPU subgroup's gradient is the last to
-            arrive), and only the rest enters the overlap above and the H2D bound (the GPU
-            lanes start at once; the worker's backlog overlaps them).
+            min(N_cpu - n_last, R_cpu(t - 1) H) elements are done (one core is left to
+            backward; the last CPU subgroup's gradient is the last to arrive), and only the rest
+            enters the overlap above and the H2D bound (the GPU lanes start at once; the
+            worker's backlog overlaps them).
   tail      the last CPU subgroup's upload, param_bytes n_last / B_h2d, after T_cpu.
   total     max(T_cpu + tail, T_staged, t_gpu, H2D bytes / B_h2d, D2H bytes / B_d2h); the last
             two are lower bounds at the alone rates. Gradient D2H of CPU subgroups runs during
@@ -256,7 +256,7 @@ def head_start(window_s: float, done_numel: int, backlog: bool, calib: Optional[
     keep up), the time its finished work takes at the calibrated rate, when that is shorter. A
     worker that did not keep up did less than rate x window: it also waits for each gradient's
     D2H and its queue, and shares the host with backward (7B, micro-batch 8 on the H200: 104 of
-    134 subgroups done at `step()`, where the window at the rate implied 118). A worker that kept
+    134 subgroups done at `step()`, where the window at the rate implied 112). A worker that kept
     up did all it was given: the window is then what a plan with more CPU work could use."""
     if not backlog or calib is None:
         return window_s

@@ -315,7 +315,7 @@ def test_head_start_of_a_worker_that_did_not_keep_up_is_its_finished_work():
     assert pm.head_start(1.3, 10**12, True, H200, 16) == 1.3
     assert pm.head_start(1.3, 10**8, True, H200, 1) == pytest.approx(1e8 / H200.cpu(1))  # one thread: 1
     # A worker behind (as at 7B, micro-batch 8 on the H200: 104 of 134 subgroups done when step()
-    # started, where the window at the calibrated rate implied 118): the plan sees what is left.
+    # started, where the window at the calibrated rate implied 112): the plan sees what is left.
     done = 80 * SG
     h = pm.head_start(1.31, done, True, H200, 16)
     assert h < 1.31
