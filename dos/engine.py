@@ -15,7 +15,7 @@ from typing import Iterable, List, Optional
 
 import torch
 
-from . import adam, checkpoint, perfmodel
+from . import adam, checkpoint, perfmodel, refine
 from .buffers import DeviceBuffers, HostArena, arena_blocks, preflight, thirds
 from .config import EngineConfig, validate_hparams
 from .early import EarlyUpdates
@@ -173,7 +173,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             # lanes, and is drained by the update.
             window = time.perf_counter() - early.first_submit
             done, backlog = early.progress()
-            h = perfmodel.head_start(window, sum(self.layout.subgroups[s].numel for s in done), backlog,
+            h = refine.head_start(window, sum(self.layout.subgroups[s].numel for s in done), backlog,
                                      self.calibration, self.plan.cpu_threads)
             self.head_start_s = h if not self.head_start_s else 0.5 * (self.head_start_s + h)
         self._steps = [n + 1 for n in self._steps]
@@ -235,17 +235,17 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if not totals:
             return
         kw = dict(grad_bytes=self._itemsize, param_bytes=self._itemsize)
-        self.calibration = perfmodel.update(self.calibration, self.plan, totals, **kw)
+        self.calibration = refine.update(self.calibration, self.plan, totals, **kw)
         # The search runs on the host, in the CPU lane's path (a full one took 54-93 ms at 3B-7B
         # on a 2-core machine; auto runs on the H200 host spent ~0.11 s more per step than a fixed
         # stride): search again only once the rates moved (they settle within a few steps).
         # With overlap_backward the backward time the CPU lane overlaps (its head start) counts too.
         h, h_searched = self.head_start_s, self._searched_head_start
-        if (perfmodel.drift(self._searched, self.calibration) < REPLAN_DRIFT
+        if (refine.drift(self._searched, self.calibration) < REPLAN_DRIFT
                 and abs(h - h_searched) <= REPLAN_DRIFT * max(h, h_searched)):
             return
         self._searched, self._searched_head_start = self.calibration, h
-        better = perfmodel.replan(self.plan, self.calibration, staging_slots=len(self._dev.slots),
+        better = refine.replan(self.plan, self.calibration, staging_slots=len(self._dev.slots),
                                   max_threads=self.config.cpu_threads or default_threads(),
                                   head_start_s=h, **kw)
         if better is not None:

@@ -440,15 +440,15 @@ def test_refinement_searches_only_after_the_rates_moved(monkeypatch):
     import dataclasses
 
     import dos.engine
-    from dos import perfmodel
+    from dos import refine
     from dos.perfmodel import DESIGN_H200
 
     monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
     searches, drift = [], [0.0]
-    monkeypatch.setattr(perfmodel, "update", lambda calib, *a, **k: dataclasses.replace(
+    monkeypatch.setattr(refine, "update", lambda calib, *a, **k: dataclasses.replace(
         calib, gpu_rate=calib.gpu_rate * (1 + drift[0])))
-    real = perfmodel.replan
-    monkeypatch.setattr(perfmodel, "replan", lambda *a, **k: searches.append(1) or real(*a, **k))
+    real = refine.replan
+    monkeypatch.setattr(refine, "replan", lambda *a, **k: searches.append(1) or real(*a, **k))
     a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
                           cpu_threads=2)
     train("transformer", a, opt, 4)

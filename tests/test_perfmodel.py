@@ -10,7 +10,7 @@ from fractions import Fraction as F
 import pytest
 import torch
 
-from dos import calibrate, perfmodel as pm
+from dos import calibrate, perfmodel as pm, refine as rf
 from dos.partition import partition
 from dos.plan import CPU, RESIDENT, STAGED, make_plan
 
@@ -229,8 +229,8 @@ def test_update_converges_under_foreign_load(load):
     plan, _ = pm.choose(NUMELS_7B, belief, **kw)
     best = pm.choose(NUMELS_7B, truth, **kw)[1].total_s
     for _ in range(6):
-        belief = pm.update(belief, plan, measured(plan, truth))
-        better = pm.replan(plan, belief, keep_memory=False, **kw)
+        belief = rf.update(belief, plan, measured(plan, truth))
+        better = rf.replan(plan, belief, keep_memory=False, **kw)
         if better is not None:
             plan = better[0]
     assert belief.source == "refined"
@@ -240,19 +240,19 @@ def test_update_converges_under_foreign_load(load):
 
 def test_update_leaves_unused_lanes_alone():
     plan = plan_of(NUMELS_7B, 0)
-    new = pm.update(H200, plan, {"cpu": 2 * pm.predict(plan, H200).cpu_s, "h2d": 1.0})
+    new = rf.update(H200, plan, {"cpu": 2 * pm.predict(plan, H200).cpu_s, "h2d": 1.0})
     assert new.cpu_rate[-1] == pytest.approx(0.75 * H200.cpu_rate[-1])  # alpha 0.5 towards half
     assert (new.gpu_rate, new.h2d_bw, new.d2h_duplex_bw) == (H200.gpu_rate, H200.h2d_bw, H200.d2h_duplex_bw)
-    assert pm.update(H200, plan, {}) is H200
+    assert rf.update(H200, plan, {}) is H200
 
 
 def test_replan_keeps_memory_and_needs_a_real_gain():
     kw = dict(free_gpu_bytes=3 * 12 * SG + 4 * SG + 5 * 12 * SG, max_threads=16)
     plan, _ = pm.choose(NUMELS_7B, H200, **kw)
-    assert pm.replan(plan, H200, **kw) is None
+    assert rf.replan(plan, H200, **kw) is None
     slow_cpu = with_(H200, cpu_rate=tuple(x / 4 for x in H200.cpu_rate),
                      cpu_rate_dma=tuple(x / 4 for x in H200.cpu_rate_dma))
-    new, pred = pm.replan(plan, slow_cpu, **kw)
+    new, pred = rf.replan(plan, slow_cpu, **kw)
     assert new.resident == plan.resident and new.staging_slots == plan.staging_slots
     assert new.share(STAGED) > plan.share(STAGED)
     assert pred.total_s * 1.05 < pm.predict(plan, slow_cpu).total_s
@@ -269,7 +269,7 @@ def test_online_search_uses_every_allocated_slot_and_finds_what_the_full_search_
                          staging_slots=3, threads=[16], exact_slots=True)
     assert exact.lanes == full.lanes and exact.staging_slots == full.staging_slots == 3
     start, _ = pm.choose(NUMELS_7B, H200, free_gpu_bytes=INF, max_threads=16, resident=0, staging_slots=3)
-    new, _ = pm.replan(start, slow_cpu, staging_slots=3, max_threads=16)
+    new, _ = rf.replan(start, slow_cpu, staging_slots=3, max_threads=16)
     assert new.lanes == full.lanes and new.staging_slots == 3
     # Only every-slot plans (or none staged) are candidates.
     for share in pm.shares():
@@ -301,7 +301,7 @@ def test_head_start_moves_cpu_work_into_backward_and_shifts_the_choice():
     assert without.share(STAGED) > 0 and with_.share(STAGED) == 0
     assert pred.total_s == pytest.approx(last / r16 + tail)
     # replan sees it too: the staged plan is replaced once the head start is known.
-    new, _ = pm.replan(without, H200, staging_slots=3, max_threads=16, head_start_s=N7B / r15)
+    new, _ = rf.replan(without, H200, staging_slots=3, max_threads=16, head_start_s=N7B / r15)
     assert new.share(STAGED) == 0
 
 
@@ -309,15 +309,15 @@ def test_head_start_of_a_worker_that_did_not_keep_up_is_its_finished_work():
     """The head start planned with: the window the CPU lane had, or, where it still had a backlog
     at step(), its finished work at R(t - 1) when that is shorter (never longer than the window)."""
     r15 = H200.cpu(15)
-    assert pm.head_start(1.3, 10**9, False, H200, 16) == 1.3  # it kept up: the whole window
-    assert pm.head_start(1.3, 10**9, True, None, 16) == 1.3  # no rates to convert with
-    assert pm.head_start(1.3, 10**9, True, H200, 16) == pytest.approx(1e9 / r15)
-    assert pm.head_start(1.3, 10**12, True, H200, 16) == 1.3
-    assert pm.head_start(1.3, 10**8, True, H200, 1) == pytest.approx(1e8 / H200.cpu(1))  # one thread: 1
+    assert rf.head_start(1.3, 10**9, False, H200, 16) == 1.3  # it kept up: the whole window
+    assert rf.head_start(1.3, 10**9, True, None, 16) == 1.3  # no rates to convert with
+    assert rf.head_start(1.3, 10**9, True, H200, 16) == pytest.approx(1e9 / r15)
+    assert rf.head_start(1.3, 10**12, True, H200, 16) == 1.3
+    assert rf.head_start(1.3, 10**8, True, H200, 1) == pytest.approx(1e8 / H200.cpu(1))  # one thread: 1
     # A worker behind (as at 7B, micro-batch 8 on the H200: 104 of 134 subgroups done when step()
     # started, where the window at the calibrated rate implied 112): the plan sees what is left.
     done = 80 * SG
-    h = pm.head_start(1.31, done, True, H200, 16)
+    h = rf.head_start(1.31, done, True, H200, 16)
     assert h < 1.31
     cpu = plan_of(NUMELS_7B, 0)
     assert pm.predict(cpu, H200, head_start_s=h).cpu_s == pytest.approx((N7B - done) / H200.cpu(16))
@@ -474,7 +474,7 @@ def test_fewer_threads_only_for_a_clear_predicted_gain():
 
 
 def test_drift_measures_the_largest_relative_rate_change():
-    assert pm.drift(H200, H200) == 0
+    assert rf.drift(H200, H200) == 0
     moved = with_(H200, cpu_rate=tuple(r * 1.1 for r in H200.cpu_rate), gpu_rate=H200.gpu_rate * 0.97)
-    assert pm.drift(H200, moved) == pytest.approx(0.1)
-    assert pm.drift(H200, with_(H200, h2d_bw=H200.h2d_bw * 1.02)) == pytest.approx(0.02)
+    assert rf.drift(H200, moved) == pytest.approx(0.1)
+    assert rf.drift(H200, with_(H200, h2d_bw=H200.h2d_bw * 1.02)) == pytest.approx(0.02)
