@@ -1,5 +1,5 @@
 import sys
 
-from dos.cli import main
+from dos.lab.cli import main
 
 sys.exit(main())

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from dos.bench import models, records, systems, timing
-from dos.bench.spec import ConfigError, RunSpec
-from dos.nvml import COLUMNS as SAMPLE_COLUMNS
-from dos.nvml import Sampler
+from dos.lab.bench import models, records, systems, timing
+from dos.lab.bench.spec import ConfigError, RunSpec
+from dos.lab.nvml import COLUMNS as SAMPLE_COLUMNS
+from dos.lab.nvml import Sampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -209,7 +209,7 @@ def test_deepspeed_configs_follow_design():
 
 
 def test_oom_classification():
-    from dos.bench.run import is_oom
+    from dos.lab.bench.run import is_oom
 
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory"))

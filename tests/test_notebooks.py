@@ -18,8 +18,8 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 pytest.importorskip("seaborn")
 
-from dos import figures, results  # noqa: E402
-from dos.bench.spec import PLACEMENTS, SYSTEMS  # noqa: E402
+from dos.lab import figures, results  # noqa: E402
+from dos.lab.bench.spec import PLACEMENTS, SYSTEMS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = figures.notebooks()
@@ -57,7 +57,7 @@ def test_source_notebook_is_clean(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_parameters_name_real_files(path):
-    from dos import sweep as sw
+    from dos.lab import sweep as sw
 
     p = figures.notebook_parameters(path)
     assert p["RERUN"] is False and p["SMOKE"] is False and p["FIGURES"] == "figures"
@@ -91,7 +91,7 @@ def test_python3_kernel_is_installed():
 
 
 def test_every_system_has_a_colour_and_a_label():
-    from dos import plots
+    from dos.lab import plots
 
     keys = {s for s in SYSTEMS if s != "dos"} | {f"dos-{p}" for p in PLACEMENTS}
     assert keys <= set(plots.PALETTE)
@@ -315,6 +315,6 @@ def test_smoke_mode_runs_the_tiny_sweep(number, tmp_path):
 
 
 def test_cli_run_modes_exclude_each_other():
-    from dos import cli
+    from dos.lab import cli
 
     assert cli.main(["run", "--rerun", "--smoke"]) == 2

@@ -10,9 +10,9 @@ import time
 import psutil
 import pytest
 
-from dos import sweep as sw
-from dos.bench import records
-from dos.bench.spec import ConfigError
+from dos.lab import sweep as sw
+from dos.lab.bench import records
+from dos.lab.bench.spec import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "sweeps", "smoke.yaml")
@@ -166,7 +166,7 @@ def test_skipped_runs_are_checked_again_on_resume(tmp_path):
     assert sw.run(sweep, tmp_path, progress=False, host_memory_gib=64) == {"already": 0, "ok": 1}
     assert sw.run(sweep, tmp_path, progress=False) == {"already": 1}
     assert [r["status"] for r in records.read_rows(tmp_path / "runs.csv")] == ["skipped", "ok"]
-    from dos import results
+    from dos.lab import results
 
     assert list(results.rows([tmp_path], status=("ok", "skipped"))["status"]) == ["ok"]
 

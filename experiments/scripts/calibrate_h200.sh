@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 "$PYTHON" - "$OUT/calibration.json" <<'PY' 2>&1 | tee "$OUT/plans.txt"
 import sys
 from fractions import Fraction
-from dos.bench.models import preset
+from dos.lab.bench.models import preset
 from dos.partition import choose_subgroup_numel
 from dos.perfmodel import Calibration, build_plan, choose, predict
 c = Calibration.from_json(open(sys.argv[1]).read())

@@ -6,7 +6,7 @@ import time
 import torch
 
 import dos
-from dos.bench.models import build_model, preset
+from dos.lab.bench.models import build_model, preset
 from dos.trace import lane_totals
 
 SETTINGS = [dict(placement="cpu"), dict(placement="interleaved", stride=2),

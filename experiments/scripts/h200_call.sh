@@ -39,6 +39,6 @@ if [ $# -gt 0 ]; then
     echo "sweep $file rc=$?"; tail -3 $OUT/sweeps.log
   done
 fi
-pkill -f ipykernel_launcher; pkill -f "dos.bench"; sleep 2
+pkill -f ipykernel_launcher; pkill -f "dos.lab.bench"; sleep 2
 find experiments/results figures -newer /tmp/stamp -type f > /tmp/changed
 tar -czf $OUT/results.tar.gz -T /tmp/changed; echo "packed $(wc -l < /tmp/changed) files"; du -sh $OUT/results.tar.gz

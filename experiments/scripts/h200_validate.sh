@@ -10,7 +10,7 @@ timeout 230 python3 -m pytest -q -m gpu --timeout 90 tests/test_engine.py tests/
 tail -5 $OUT/pytest-gpu.log
 timeout 80 python3 -m dos.calibrate --out $OUT/calibration.json > $OUT/calibration.txt 2>&1; echo "calibrate rc=$?"
 tail -25 $OUT/calibration.txt
-timeout 150 python3 -m dos.bench.kernel --threads 16 8 --params 400000000 --sweep kernel-h200 --out $OUT > $OUT/kernel.txt 2>&1; echo "kernel rc=$?"
+timeout 150 python3 -m dos.lab.bench.kernel --threads 16 8 --params 400000000 --sweep kernel-h200 --out $OUT > $OUT/kernel.txt 2>&1; echo "kernel rc=$?"
 tail -20 $OUT/kernel.txt
 timeout 100 python3 experiments/scripts/engine_scale_check.py 1.3B > $OUT/scale.txt 2>&1; echo "scale rc=$?"
 cat $OUT/scale.txt | tail -12

@@ -31,7 +31,7 @@ from pathlib import Path
 import pandas as pd
 
 from dos import perfmodel as pm
-from dos import results as R
+from dos.lab import results as R
 from dos.trace import lane_totals
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

@@ -1,6 +1,6 @@
 """CPU AdamW kernels side by side: dos's fused kernel vs DeepSpeedCPUAdam + cast vs torch fused + cast.
 
-    python -m dos.bench.kernel --threads 1 4 8 16 --params 400000000 --sweep kernel-h200 [--out DIR]
+    python -m dos.lab.bench.kernel --threads 1 4 8 16 --params 400000000 --sweep kernel-h200 [--out DIR]
 
 One process, one set of arrays (fp32 master and moments, a bf16 gradient that each implementation
 overwrites with the bf16 weights, as the engine's CPU lane does, and an fp32 gradient for
@@ -37,7 +37,7 @@ import torch
 
 from dos import _csrc
 from dos.adam import cpu_adamw_, cpu_impl, torch_cpu_adamw_
-from dos.bench.records import environment, git_sha, now_iso
+from dos.lab.bench.records import environment, git_sha, now_iso
 
 COLUMNS = (
     "run_id", "sweep", "timestamp", "git_sha", "status", "error", "impl", "threads", "params",
@@ -263,7 +263,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="results root (default: $OUT if set, else experiments/results)")
     a = ap.parse_args(argv)
-    out = a.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[2] / "experiments" / "results")
+    out = a.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[3] / "experiments" / "results")
     run(a.threads, a.params, a.sweep, a.reps, out)
 
 

@@ -1,6 +1,6 @@
 """Recorded results -> tidy pandas DataFrames (DESIGN.md §5), for the figures.
 
-Everything reads what `dos.sweep` wrote under `experiments/results/<sweep>/`: `runs.csv` (one row per
+Everything reads what `dos.lab.sweep` wrote under `experiments/results/<sweep>/`: `runs.csv` (one row per
 run), `env.json`, and each run's folder (`steps.csv`, `markers.csv`, `samples.csv`, `lanes.json`).
 Figures are built from rows with `status == ok` only; other rows are loaded only to mark where a
 configuration failed (an OOM in the micro-batch sweep), never for a number.
@@ -16,7 +16,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import pandas as pd
 
-from dos.bench import records
+from dos.lab.bench import records
 
 NUMERIC = ("gpu_fraction", "ratio", "n_params", "seq_len", "micro_batch", "gpus", "gpu_mem_cap_gib",
            "host_mem_gib", "iter_s", "fwd_s", "bwd_s", "step_s", "tokens_per_s", "peak_gpu_gib",
@@ -32,7 +32,7 @@ Paths = Union[str, Path, Sequence[Union[str, Path]]]
 
 
 def repo_root() -> Path:
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[2]
     return here if (here / "experiments").is_dir() else Path.cwd()
 
 
@@ -170,7 +170,7 @@ def headline(df: pd.DataFrame, side_by_side: str = "deepspeed-zero-offload") -> 
 
 
 def kernel_rows(dirs: Paths) -> pd.DataFrame:
-    """CPU-kernel benchmark rows (dos.bench.kernel: impl, threads, gparams_per_s, ...)."""
+    """CPU-kernel benchmark rows (dos.lab.bench.kernel: impl, threads, gparams_per_s, ...)."""
     frames = [pd.DataFrame(records.read_rows(d / "runs.csv")) for d in as_paths(dirs) if d.is_dir()]
     frames = [f for f in frames if len(f)]
     if not frames:

@@ -12,7 +12,7 @@ A sweep file (experiments/sweeps/NAME.yaml):
     host_memory_gib: null         # host memory the preflight may plan for (default: available)
     timeout_s: 900                # per run
 
-Every run is a child process (`python -m dos.bench.run`, its own process group); the parent
+Every run is a child process (`python -m dos.lab.bench.run`, its own process group); the parent
 appends its row. Finished run_ids are not run again, so a killed sweep reruns only what was in
 flight; SIGTERM (e.g. `timeout`) kills the run in flight with its whole process group before the
 sweep exits. Runs that cannot fit in host memory, or cannot run on this machine, become `skipped`
@@ -43,8 +43,8 @@ from typing import List, Optional
 import psutil
 import yaml
 
-from dos.bench import records
-from dos.bench.spec import CUDA_ONLY, ConfigError, RunSpec
+from dos.lab.bench import records
+from dos.lab.bench.spec import CUDA_ONLY, ConfigError, RunSpec
 
 SWEEP_KEYS = {"name", "description", "defaults", "grid", "runs", "host_memory_gib", "timeout_s"}
 RESULTS = Path("experiments") / "results"
@@ -152,7 +152,7 @@ def _short(d: dict) -> str:
 
 def host_bytes_estimate(spec: RunSpec) -> tuple:
     """(bytes of host memory the run needs, how it was estimated). Conservative, from §8's facts."""
-    from dos.bench.models import preset
+    from dos.lab.bench.models import preset
 
     n = preset(spec.model, spec.model_overrides).n_params()
     s = spec.system
@@ -255,10 +255,10 @@ def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec.to_dict(), indent=1))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port()),
-           "DOS_SWEEP_PID": str(os.getpid())}  # the run dies with this process (dos.bench.run)
-    repo = str(Path(__file__).resolve().parents[1])
+           "DOS_SWEEP_PID": str(os.getpid())}  # the run dies with this process (dos.lab.bench.run)
+    repo = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "dos.bench.run", str(run_dir / "spec.json"), str(run_dir)]
+    cmd = [sys.executable, "-m", "dos.lab.bench.run", str(run_dir / "spec.json"), str(run_dir)]
     with open(run_dir / "log.txt", "wb") as log:
         # Its own session (process group) and no preexec_fn: with one, a SIGTERM arriving during
         # the fork was lost about one time in four (the sweep ran on), and it is unsafe with threads.
@@ -301,7 +301,7 @@ def _trim_log(path: Path, keep: int = 512 << 10) -> None:
 
 
 def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float) -> dict:
-    from dos.bench.models import preset
+    from dos.lab.bench.models import preset
 
     p = preset(spec.model, spec.model_overrides)
     files = res.get("files") or {}

@@ -44,7 +44,7 @@ def git_sha() -> str:
     """Commit of the working tree ('-dirty' when it has changes); DOS_GIT_SHA where there is no .git."""
     if os.environ.get("DOS_GIT_SHA"):
         return os.environ["DOS_GIT_SHA"]
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10).stdout.strip()

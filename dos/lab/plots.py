@@ -1,8 +1,8 @@
-"""Tidy DataFrames (dos.results) -> figures: one style, one fixed colour per system, a caption
+"""Tidy DataFrames (dos.lab.results) -> figures: one style, one fixed colour per system, a caption
 naming the machine, the dates and the records, PNG + SVG.
 
 This module holds the style and the figures built from rows (DESIGN.md §6: 2, 6, 7, 8, 9, 11);
-`dos.plots_traces` those built from traces, timelines, calibrations and per-step losses (1, 3, 4,
+`dos.lab.plots_traces` those built from traces, timelines, calibrations and per-step losses (1, 3, 4,
 5, 10). Every function returns a matplotlib Figure; `save` writes it.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from dos import results as R
+from dos.lab import results as R
 
 # One colour per system, the same in every figure (dos in blues/greens, DeepSpeed in warm colours).
 PALETTE = {

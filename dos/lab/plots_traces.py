@@ -1,5 +1,5 @@
 """Figures built from per-run traces, lane timelines, calibrations and per-step losses
-(DESIGN.md §6: 1, 3, 4, 5, 10), in the style and colours of `dos.plots`."""
+(DESIGN.md §6: 1, 3, 4, 5, 10), in the style and colours of `dos.lab.plots`."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from dos import results as R
-from dos.plots import PALETTE, SMOKE_NOTE, binary, caption, empty, figure, keys_in, label, plain_log
+from dos.lab import results as R
+from dos.lab.plots import PALETTE, SMOKE_NOTE, binary, caption, empty, figure, keys_in, label, plain_log
 
 PHASE_SHADE = {"fwd": ("forward", "0.92"), "bwd": ("backward", "0.82"), "step": ("update", "#f6e7a8")}
 LANES = ("grad_d2h", "cpu", "upload", "h2d", "gpu", "d2h")

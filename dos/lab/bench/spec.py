@@ -37,7 +37,7 @@ class RunSpec:
     system: str
     """One of `SYSTEMS`."""
     model: str = "tiny"
-    """Preset name (dos.bench.models.PRESETS)."""
+    """Preset name (dos.lab.bench.models.PRESETS)."""
     model_overrides: Optional[dict] = None
     """Preset fields to change, e.g. {"vocab": 256} for the stdlib corpus on a large shape."""
     device: str = "auto"
@@ -159,7 +159,7 @@ def _validate(s: RunSpec) -> None:
         raise ConfigError(f"warmup must be >= 0, got {s.warmup}")
     if not isinstance(s.model, str):
         raise ConfigError(f"model must be a preset name, got {s.model!r}")
-    from dos.bench.models import PRESETS, preset  # pure-Python dataclasses, no model code
+    from dos.lab.bench.models import PRESETS, preset  # pure-Python dataclasses, no model code
     if s.model not in PRESETS:
         raise ConfigError(f"unknown model preset {s.model!r}; known: {', '.join(PRESETS)}")
     try:

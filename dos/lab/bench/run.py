@@ -1,11 +1,11 @@
-"""One run, in its own process: `python -m dos.bench.run SPEC.json RUN_DIR`.
+"""One run, in its own process: `python -m dos.lab.bench.run SPEC.json RUN_DIR`.
 
 Builds the model and the system, runs the timing protocol with the sampler on, and writes into
 RUN_DIR: `result.json` (the row's measured fields; written last, atomically), `steps.csv` (per-step
 phase times and loss), `markers.csv` (every phase, init included, on the sampler's clock),
 `samples.csv` (NVML + host RSS trace) and `lanes.json` (dos per-subgroup lane timeline). A failure
 still writes `result.json` with status `oom` or `error`, and whatever trace was gathered until then.
-The sweep parent (dos.sweep) turns it into a row; users call `python -m dos bench` instead.
+The sweep parent (dos.lab.sweep) turns it into a row; users call `python -m dos bench` instead.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def resolve_device(spec):
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda" and not torch.cuda.is_available():
-        from dos.bench.systems import SkipRun
+        from dos.lab.bench.systems import SkipRun
 
         raise SkipRun("no CUDA device on this machine")
     return torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
@@ -92,7 +92,7 @@ class _Run:
     """The state of one run, so that a failure at any point still records what was gathered."""
 
     def __init__(self, spec, run_dir: Path):
-        from dos.bench.timing import Clock
+        from dos.lab.bench.timing import Clock
 
         self.spec, self.run_dir, self.clock = spec, run_dir, Clock()
         self.res = {"status": "ok", "error": None, "files": {}}
@@ -104,7 +104,7 @@ class _Run:
             self._setup()
             self._train()
         except BaseException as e:  # every failure becomes a row; KeyboardInterrupt too
-            from dos.bench.systems import SkipRun
+            from dos.lab.bench.systems import SkipRun
 
             status = "skipped" if isinstance(e, SkipRun) else "oom" if is_oom(e) else "error"
             self.res.update(status=status, error=f"{type(e).__name__}: {e}"[:2000])
@@ -118,8 +118,8 @@ class _Run:
     def _setup(self) -> None:
         import torch
 
-        from dos.bench import systems
-        from dos.nvml import Sampler
+        from dos.lab.bench import systems
+        from dos.lab.nvml import Sampler
 
         spec, res = self.spec, self.res
         self.device = device = resolve_device(spec)
@@ -139,7 +139,7 @@ class _Run:
     def _train(self) -> None:
         import torch
 
-        from dos.bench import models, systems, timing
+        from dos.lab.bench import models, systems, timing
 
         spec, res, clock, device = self.spec, self.res, self.clock, self.device
         torch.manual_seed(spec.seed)
@@ -191,7 +191,7 @@ class _Run:
 
 
 def _write_artifacts(run_dir: Path, clock, times, lanes, res) -> None:
-    from dos.bench.timing import step_rows
+    from dos.lab.bench.timing import step_rows
 
     _write_csv(run_dir / "markers.csv", ("phase", "step", "start_s", "end_s"),
                [(n, "" if s is None else s, f"{a:.6f}", f"{b:.6f}") for n, s, a, b in clock.markers])
@@ -227,9 +227,9 @@ def main(argv=None) -> int:
     die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m dos.bench.run SPEC.json RUN_DIR", file=sys.stderr)
+        print("usage: python -m dos.lab.bench.run SPEC.json RUN_DIR", file=sys.stderr)
         return 2
-    from dos.bench.spec import RunSpec
+    from dos.lab.bench.spec import RunSpec
 
     spec = RunSpec.from_dict(json.loads(Path(argv[0]).read_text()))
     run_dir = Path(argv[1])

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from dos.bench.spec import RunSpec
+from dos.lab.bench.spec import RunSpec
 
 BETAS, EPS = (0.9, 0.999), 1e-8
 

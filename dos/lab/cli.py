@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 _BENCH_EPILOG = """\
-KEY=VALUE pairs are RunSpec fields (dos/bench/spec.py), values parsed as YAML, e.g.
+KEY=VALUE pairs are RunSpec fields (dos/lab/bench/spec.py), values parsed as YAML, e.g.
   python -m dos bench system=dos placement=interleaved stride=2 model=1.3B seq_len=2048
   python -m dos bench system=deepspeed-twinflow ratio=0.5 model=tiny device=cpu steps=3
 """
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _pairs(pairs) -> dict:
-    from dos.bench.spec import ConfigError
+    from dos.lab.bench.spec import ConfigError
 
     out = {}
     for pair in pairs:
@@ -64,7 +64,7 @@ def _pairs(pairs) -> dict:
 
 
 def _print_rows(csv_path: Path, run_ids) -> None:
-    from dos.bench.records import read_rows
+    from dos.lab.bench.records import read_rows
 
     cols = ("status", "system", "placement", "stride", "ratio", "model", "iter_s", "fwd_s", "bwd_s",
             "step_s", "tokens_per_s", "peak_gpu_gib", "peak_host_gib", "error")
@@ -74,8 +74,8 @@ def _print_rows(csv_path: Path, run_ids) -> None:
 
 
 def _figures(args) -> int:
-    """`figures` and `run`: the notebooks through papermill (dos/figures.py)."""
-    from dos import figures
+    """`figures` and `run`: the notebooks through papermill (dos/lab/figures.py)."""
+    from dos.lab import figures
 
     rerun = args.rerun or (args.cmd == "run" and os.environ.get("RERUN", "") not in ("", "0"))
     if rerun and args.smoke:
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd in ("figures", "run"):
         return _figures(args)
-    from dos import sweep as sw
-    from dos.bench.spec import ConfigError, RunSpec
+    from dos.lab import sweep as sw
+    from dos.lab.bench.spec import ConfigError, RunSpec
 
     try:
         if args.cmd == "bench":

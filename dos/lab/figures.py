@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from dos import results as R
+from dos.lab import results as R
 
 NOTEBOOKS = "notebooks"
 MODES = ("replot", "rerun", "smoke")
@@ -47,7 +47,7 @@ def plotted(results, smoke_results=None, smoke: bool = False, rerun: bool = Fals
 
 def run_sweep(sweep, out) -> dict:
     """Run the sweep file `sweep` into `out` (resumable), with a progress bar."""
-    from dos import sweep as sw
+    from dos.lab import sweep as sw
 
     return sw.run(sw.load(R.resolve(sweep)), R.resolve(out), progress=True)
 
@@ -213,7 +213,7 @@ def results_table(root="experiments/results") -> str:
 def _system(r) -> str:
     import pandas as pd
 
-    from dos.plots import label
+    from dos.lab.plots import label
 
     extra = []
     if r["system"] == "dos" and r["placement"] == "interleaved":
