@@ -18,10 +18,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .partition import Layout
-from .plan import RESIDENT
+from .plan import RESIDENT, STATE_BYTES
 
 PAGE = 4096
-STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
 
 
 class HostMemoryError(RuntimeError):
@@ -215,8 +214,3 @@ class DeviceBuffers:
     def grad(self, layout: Layout, s: int) -> torch.Tensor:
         sg = layout.subgroups[s]
         return self.grads[sg.bucket][sg.start: sg.stop]
-
-    @property
-    def nbytes(self) -> int:
-        ts = self.params + self.grads + list(self.resident.values()) + self.slots + [self.scratch]
-        return sum(t.numel() * t.element_size() for t in ts)

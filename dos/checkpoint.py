@@ -29,12 +29,8 @@ def _segments(opt, slot: ParamSlot) -> List[Tuple[int, int, int]]:
     return out
 
 
-def _storage(opt, s: int) -> torch.Tensor:
-    return opt._dev.resident[s] if s in opt._dev.resident else opt._host.state[s]
-
-
 def _pieces(opt, slot: ParamSlot, kind: int) -> List[torch.Tensor]:
-    return [thirds(_storage(opt, s), opt.layout.subgroups[s].numel)[kind][a: a + n]
+    return [thirds(opt.state_storage(s), opt.layout.subgroups[s].numel)[kind][a: a + n]
             for s, a, n in _segments(opt, slot)]
 
 
@@ -53,11 +49,11 @@ def _param_index(opt) -> Dict[Tuple[int, int], Tuple[int, int]]:
 
 
 def state_dict(opt) -> dict:
-    opt._lanes.wait_host_state()
+    opt.wait_host_state()
     index = _param_index(opt)
-    state = {}
-    for slot, p in opt._params.items():
-        step = opt._steps[slot.group]
+    state, steps = {}, opt.group_steps
+    for slot, p in opt.param_slots().items():
+        step = steps[slot.group]
         if step == 0:
             continue  # as torch: no state before the first step
         entry = {"step": torch.tensor(float(step))}
@@ -91,9 +87,9 @@ def load_state_dict(opt, sd: dict) -> None:
                              "size of optimizer's group")
     index = _param_index(opt)
     state = {int(k): v for k, v in sd["state"].items()}
-    opt._lanes.wait_host_state()
+    opt.wait_host_state()
     steps = {}
-    for slot, p in opt._params.items():
+    for slot, p in opt.param_slots().items():
         key = groups[slot.group]["params"][index[(slot.group, slot.index)][1]]
         entry = state.get(key)
         if entry is None:
@@ -111,10 +107,12 @@ def load_state_dict(opt, sd: dict) -> None:
             for piece in _pieces(opt, slot, k):
                 piece.copy_(flat[at: at + piece.numel()])
                 at += piece.numel()
+    counts = opt.group_steps
     for g, found in steps.items():
         if len(found) != 1:
             raise ValueError(f"parameter group {g}: parameters at different steps {sorted(found)}; "
                              "dos keeps one step count per group")
-        opt._steps[g] = found.pop()
+        counts[g] = found.pop()
+    opt.group_steps = counts
     for mine, theirs in zip(opt.param_groups, groups):
         mine.update({k: v for k, v in theirs.items() if k != "params"})

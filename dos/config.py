@@ -4,26 +4,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 PLACEMENTS = ("interleaved", "cpu", "static", "gpu")
-
-
-@dataclass(frozen=True)
-class AdamWConfig:
-    """Hyperparameters with `torch.optim.AdamW` semantics (defaults of one param group)."""
-
-    lr: float = 1e-3
-    """Learning rate (float >= 0); LR schedulers change it per group."""
-    betas: Tuple[float, float] = (0.9, 0.999)
-    """Coefficients of the running averages of the gradient and its square, each in [0, 1)."""
-    eps: float = 1e-8
-    """Added to the denominator (after the bias-corrected square root), >= 0."""
-    weight_decay: float = 1e-2
-    """Decoupled weight decay: param *= 1 - lr * weight_decay before the Adam update, >= 0."""
-
-    def __post_init__(self):
-        validate_hparams(self.lr, self.betas, self.eps, self.weight_decay)
 
 
 def validate_hparams(lr, betas, eps, weight_decay) -> None:

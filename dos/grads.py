@@ -32,7 +32,7 @@ class GradRouter:
         self.spans: list = []  # traced D2H spans since the last step
         self._views: Dict[int, torch.Tensor] = {}
         self._handles = []
-        self.early = None  # dos.early.EarlyUpdates with overlap_backward=True
+        self.cpu_lane = None  # dos.cpu_lane: told when a CPU subgroup's gradient is on its way
         for slot, p in params.items():
             sgs = subgroups_of(layout, slot)
             for s in sgs:
@@ -46,8 +46,7 @@ class GradRouter:
 
     def _after_accumulate(self, sgs: List[int]):
         def hook(p):
-            if self.early is not None:
-                self.early.guard(sgs)  # raises before a consumed gradient changes
+            self.cpu_lane.guard(sgs)  # raises before a gradient it already consumed changes
             self.sync.delay("main")  # race tests: let backward lag behind the host
             view = self._views[id(p)]
             if p.grad.data_ptr() != view.data_ptr():  # .grad was set to None: adopt the new one
@@ -60,24 +59,19 @@ class GradRouter:
                     self.count[s] = 0
                     if self.lanes[s] == CPU:
                         self.send(s)
-                        if self.early is not None:
-                            self.early.submit(s)
+                        self.cpu_lane.submit(s)
         return hook
 
     def send(self, s: int) -> None:
         """Start the D2H of subgroup s's gradient into its host block."""
-        sync = self.sync
         # The gradient is complete on the main stream only once the kernels that made it have run.
         # (This also orders the copy after last step's upload of the weights out of the same host
         # buffer: the main stream waited for that upload before this step's forward.)
-        sync.wait("grad", sync.record("main"), "backward->grad_d2h")
-        sync.delay("grad")
-        with sync.on("grad"):
-            t = self.tl.gpu_start("grad")
+        after = [(self.sync.record("main"), "backward->grad_d2h")]
+        with self.tl.stage("grad", after, "grad_d2h", s, self.layout.subgroups[s].numel,
+                           sink=self.spans) as copied:
             self.host[s].copy_(self.dev.grad(self.layout, s), non_blocking=True)
-            self.d2h[s] = sync.record("grad")
-            if t is not None:
-                self.spans.append(("grad_d2h", s, self.layout.subgroups[s].numel, t, self.d2h[s]))
+        self.d2h[s] = copied.event
         self.sent[s] = True
 
     def flush(self) -> None:

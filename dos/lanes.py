@@ -6,8 +6,8 @@ Order of one step:
    three copies/updates of consecutive subgroups overlapping on their own streams.
 2. Meanwhile the host runs the CPU lane: for each subgroup, wait for its gradient's D2H, update
    the state in place and write the weights (param dtype) over the consumed gradient, then queue
-   their upload. With updates overlapped with backward, it first waits for those still running
-   (they overlap the GPU lanes too) and skips the subgroups they updated.
+   their upload. A CPU lane that started during backward (dos.cpu_lane) is drained first (its
+   updates still running overlap the GPU lanes too) and the subgroups it updated are skipped.
 3. The main stream waits for the weight writes of every lane, so the next forward never sees a
    stale or half-written weight.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -48,12 +48,17 @@ class Lanes:
         device = dev.params[0].device if dev.params else torch.device("cpu")
         self.step_t = [torch.zeros((), device=device) for _ in layout.buckets]
 
+    def set_plan(self, plan: Plan) -> None:
+        """The plan in force from the next update on (the planner checked it fits the buffers)."""
+        self.plan = plan
+        self.grads.lanes = plan.lanes
+
     def run(self, hyper: Sequence[Hyper], scale_t: Optional[torch.Tensor], scale: float,
-            drain: Optional[Callable[[], frozenset]] = None) -> frozenset:
+            cpu_lane) -> frozenset:
         """One update phase. `scale_t`/`scale`: gradient divisor (clipping) on device / host.
-        `drain`: with updates overlapped with backward (`dos.early`), waits for them and gives the
-        CPU subgroups they updated; called once the GPU lanes are enqueued, so that the early
-        updates still running overlap those lanes. Returns those subgroups."""
+        `cpu_lane` (dos.cpu_lane): its `drain()` is called once the GPU lanes are enqueued (a
+        threaded lane's updates still running overlap them) and gives the CPU subgroups it already
+        updated; the rest run here. Returns those subgroups."""
         sync = self.sync
         self.grads.flush()
         # The GPU update reads gradients (and the clipping scale) that the main stream produced.
@@ -63,8 +68,9 @@ class Lanes:
                 self.step_t[b].fill_(float(h.step))  # a kernel argument: no host->device copy
         self._resident(hyper, scale_t)
         self._staged(hyper, scale_t)
-        done = drain() if drain is not None else frozenset()
+        done = cpu_lane.drain()
         self._cpu(hyper, scale, done)
+        self.tl.add(cpu_lane.take_spans())  # its spans, now that all have ended
         # The next forward reads weights written by the compute and upload streams.
         sync.wait("main", sync.record("compute"), "gpu_update->forward")
         sync.wait("main", sync.record("upload"), "upload->forward")
@@ -81,43 +87,26 @@ class Lanes:
 
     def _resident(self, hyper, scale_t) -> None:
         for s, state in self.dev.resident.items():
-            self.sync.delay("compute")
-            with self.sync.on("compute"):
-                t = self.tl.gpu_start("compute")
+            with self.tl.stage("compute", lane="gpu", subgroup=s, numel=self.layout.subgroups[s].numel):
                 self._update_on_device(s, state, hyper, scale_t)
-                self.tl.gpu_end(t, "compute", "gpu", s, self.layout.subgroups[s].numel)
 
     def _staged(self, hyper, scale_t) -> None:
-        sync, slots, free = self.sync, self.dev.slots, self.free
+        slots, free, tl = self.dev.slots, self.free, self.tl
         for j, s in enumerate(self.plan.staged_order):
             k, n = j % len(slots), self.layout.subgroups[s].numel
             slot, host = slots[k][: 3 * n], self.host.state[s]
             # H2D may overwrite the slot only after its previous subgroup's D2H has read it, and
             # may read the host state only after this subgroup's last write-back landed there.
-            sync.wait("h2d", free[k], "d2h->h2d(slot)")
-            sync.wait("h2d", self.written[s], "d2h->h2d(state)")
-            sync.delay("h2d")
-            with sync.on("h2d"):
-                t = self.tl.gpu_start("h2d")
+            with tl.stage("h2d", [(free[k], "d2h->h2d(slot)"), (self.written[s], "d2h->h2d(state)")],
+                          "h2d", s, n) as loaded:
                 slot.copy_(host, non_blocking=True)
-                loaded = sync.record("h2d")
-                self.tl.gpu_end(t, "h2d", "h2d", s, n)
             # The update needs the state in the slot.
-            sync.wait("compute", loaded, "h2d->gpu_update")
-            sync.delay("compute")
-            with sync.on("compute"):
-                t = self.tl.gpu_start("compute")
+            with tl.stage("compute", [(loaded.event, "h2d->gpu_update")], "gpu", s, n) as updated:
                 self._update_on_device(s, slot, hyper, scale_t)
-                updated = sync.record("compute")
-                self.tl.gpu_end(t, "compute", "gpu", s, n)
             # The write-back must read the state after the update wrote it.
-            sync.wait("d2h", updated, "gpu_update->d2h")
-            sync.delay("d2h")
-            with sync.on("d2h"):
-                t = self.tl.gpu_start("d2h")
+            with tl.stage("d2h", [(updated.event, "gpu_update->d2h")], "d2h", s, n) as written:
                 host.copy_(slot, non_blocking=True)
-                free[k] = self.written[s] = sync.record("d2h")
-                self.tl.gpu_end(t, "d2h", "d2h", s, n)
+            free[k] = self.written[s] = written.event
 
     def _cpu(self, hyper, scale: float, done: frozenset = frozenset()) -> None:
         for s in self.plan.cpu_order:
@@ -128,8 +117,8 @@ class Lanes:
     def cpu_update(self, s: int, hyper, spans: Optional[list] = None, scale: float = 1.0,
                    spare: int = 0) -> None:
         """Update CPU subgroup s on the calling thread and queue the upload of its weights.
-        `spans`: where its host span goes (None: this step's timeline); `spare`: cores of the
-        plan's CPU threads left free (backward's own thread, when it runs during backward)."""
+        `spans`: where its spans go (None: this step's timeline); `spare`: cores of the plan's CPU
+        threads left free (backward's own thread, when it runs during backward)."""
         sync, sg = self.sync, self.layout.subgroups[s]
         h = hyper[sg.bucket]
         # The CPU may read the gradient only once its D2H has landed, and the state only once
@@ -142,18 +131,14 @@ class Lanes:
         adam.cpu_adamw_(master, m, v, g, g, step=h.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
                         eps=h.eps, weight_decay=h.weight_decay, grad_scale=scale,
                         threads=max(1, self.plan.cpu_threads - spare))
+        span = ("cpu", s, sg.numel, t0, time.perf_counter())
         if spans is None:
-            self.tl.host("cpu", s, sg.numel, t0, time.perf_counter())
+            self.tl.host(*span)
         elif self.tl.enabled:
-            spans.append(("cpu", s, sg.numel, t0, time.perf_counter()))
-        sync.delay("upload")
-        with sync.on("upload"):
-            t = self.tl.gpu_start("upload")
+            spans.append(span)
+        # The weights went over the gradient in the host block: upload them from there.
+        with self.tl.stage("upload", lane="upload", subgroup=s, numel=sg.numel, sink=spans):
             self.dev.param(self.layout, s).copy_(g, non_blocking=True)
-            if spans is None:
-                self.tl.gpu_end(t, "upload", "upload", s, sg.numel)
-            elif t is not None:
-                spans.append(("upload", s, sg.numel, t, sync.record("upload")))
 
     def keep_slots(self, n: int) -> None:
         """Keep the first n staging slots (the caller has synchronized: no copy uses the others)."""

@@ -40,9 +40,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .plan import CPU, RESIDENT, STAGED, Plan
+from .plan import CPU, RESIDENT, STAGED, STATE_BYTES, Plan
 
-STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq, each way per staged element
 SCRATCH_BYTES = 4  # fp32 widening buffer of a low-precision gradient, per subgroup element
 MAX_STRIDE = 16
 THREAD_MARGIN = 0.05  # a plan with fewer CPU threads must be predicted this much faster
@@ -109,8 +108,8 @@ class Calibration:
         return machine_key(self.gpu_name, self.cpu_model, self.torch_version)
 
     # Rates against the thread count are read through a monotone envelope: more CPU threads never
-    # update slower and never copy faster. Single calibration points are noisy (10-20% seen on the
-    # H200 host: 12 threads measured slower than 8), and a dip would make the planner pick it.
+    # update slower and never copy faster. Single calibration points are noisy (docs/DESIGN.md
+    # §10), and a dip would make the planner pick it.
     def cpu(self, threads: int, dma: bool = False) -> float:
         """CPU AdamW elements/s at `threads` (alone, or while duplex DMA runs)."""
         ys = self.cpu_rate_dma if dma and self.cpu_rate_dma is not None else self.cpu_rate
@@ -376,8 +375,8 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
     `free_gpu_bytes`: GPU memory
     the optimizer may still take for the whole run (free at the iteration's peak, minus a margin).
     Fewer threads than `max_threads` only for a predicted gain above THREAD_MARGIN: the thread
-    dimension is where the calibration is least sure (on the H200 host a 1.5% predicted gain of 8
-    threads over 16 measured 15% slower). Without GPU rates only all-CPU plans are considered."""
+    dimension is where the calibration is least sure (docs/DESIGN.md §10). Without GPU rates only
+    all-CPU plans are considered."""
     numels = tuple(numels)
     sg = subgroup_numel or max(numels, default=0)
     if calib.has_gpu:

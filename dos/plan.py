@@ -19,6 +19,7 @@ from .partition import Layout
 
 CPU, STAGED, RESIDENT = "cpu", "staged", "resident"
 LANES = (CPU, STAGED, RESIDENT)
+STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per element (a staged copy moves it each way)
 
 # Until the performance model chooses it, "auto" streams every 2nd non-resident subgroup through
 # the GPU: on the H200 host PCIe duplex (~4 G params/s at 12 B each way) and CPU Adam (2-4 G/s)

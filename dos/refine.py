@@ -1,7 +1,7 @@
 """PURE: online refinement of the performance model (dos/perfmodel.py) from measured steps: the
 rates a measured update phase implies (`update`), whether they moved enough to search again
 (`drift`), a better plan under them (`replan`), and the head start an overlapped backward gave the
-CPU lane (`head_start`). The engine calls these between steps (dos/engine.py `_refine`)."""
+CPU lane (`head_start`). The Planner calls these between steps (dos/planner.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +30,7 @@ def head_start(window_s: float, done_numel: int, backlog: bool, calib: Optional[
     (from its first update to `step()`), or, where it still had a backlog at `step()` (it did not
     keep up), the time its finished work takes at the calibrated rate, when that is shorter. A
     worker that did not keep up did less than rate x window: it also waits for each gradient's
-    D2H and its queue, and shares the host with backward (7B, micro-batch 8 on the H200: 104 of
-    134 subgroups done at `step()`, where the window at the rate implied 112). A worker that kept
+    D2H and its queue, and shares the host with backward (docs/DESIGN.md §10). A worker that kept
     up did all it was given: the window is then what a plan with more CPU work could use."""
     if not backlog or calib is None:
         return window_s
@@ -100,8 +99,7 @@ def replan(plan: Plan, calib: Calibration, *, margin: float = 0.05, keep_memory:
         choose_kw.update(resident=r, staging_slots=choose_kw.get("staging_slots", plan.staging_slots),
                          free_gpu_bytes=float("inf"))
         # Online, the search runs in the step: only the current thread count and the most, and
-        # only with every allocated slot (54-93 ms for a full search at 3B-7B, ~14 ms with all
-        # slot counts, a few ms like this).
+        # only with every allocated slot (what a full search costs: docs/DESIGN.md §10).
         choose_kw.setdefault("threads", [plan.cpu_threads])
         choose_kw.setdefault("exact_slots", True)
     new, pred = choose(plan.numels, calib, placement=plan.placement, **choose_kw)

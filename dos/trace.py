@@ -11,8 +11,9 @@ Two uses:
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 class Timeline:
@@ -45,9 +46,25 @@ class Timeline:
     def gpu_start(self, stream: str) -> Optional[object]:
         return self.sync.record(stream) if self.enabled and self.sync.is_async else None
 
-    def gpu_end(self, start, stream: str, lane: str, subgroup: int, numel: int) -> None:
-        if start is not None:
-            self._spans.append((lane, subgroup, numel, start, self.sync.record(stream)))
+    @contextlib.contextmanager
+    def stage(self, stream: str, after: Sequence[Tuple[object, str]] = (), lane: Optional[str] = None,
+              subgroup: int = -1, numel: int = 0, sink: Optional[list] = None):
+        """One hand-off stage on `stream`, the ritual every lane repeats: wait for each
+        `(event, why)` in `after` (a named hand-off), the race tests' delay hook, switch to the
+        stream, start the span, run the body, record the stage's event (`.event` of the yielded
+        handle: what later stages wait for), end the span. The span goes to this step's timeline,
+        or to `sink` (spans recorded outside a step: gradient D2H, updates during backward)."""
+        sync = self.sync
+        for event, why in after:
+            sync.wait(stream, event, why)
+        sync.delay(stream)
+        handle = _Stage()
+        with sync.on(stream):
+            start = self.gpu_start(stream) if lane is not None else None
+            yield handle
+            handle.event = sync.record(stream)
+            if start is not None:
+                (self._spans if sink is None else sink).append((lane, subgroup, numel, start, handle.event))
 
     def host(self, lane: str, subgroup: int, numel: int, t_start: float, t_end: float) -> None:
         if self.enabled:
@@ -83,6 +100,12 @@ class Timeline:
                 return None
             out[lane] = out.get(lane, 0.0) + dt
         return out
+
+
+class _Stage:
+    """What a stage leaves behind: the event recorded after its work (None on the CPU)."""
+
+    event = None
 
 
 def lane_totals(timeline: List[dict]) -> dict:

@@ -302,10 +302,10 @@ def test_host_memory_preflight_fails_before_allocating(monkeypatch):
 def test_auto_plan_from_a_calibration_is_predicted_and_exact(monkeypatch):
     """With a calibration, stride='auto' is the performance model's plan and every plan records
     its predicted update time; the result still equals the oracle."""
-    import dos.engine
+    import dos.planner
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
     a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
                           cpu_threads=16)
     assert opt.plan.predicted_step_s is not None and 0 < opt.plan.share("staged") < 1
@@ -329,7 +329,7 @@ def test_changing_the_plan_between_steps_stays_exact(device):
     for step, share in enumerate(shares):
         new = build_plan(opt.plan.numels, resident=0, staged_share=share, cpu_threads=2,
                          staging_slots=len(opt._dev.slots))
-        opt._set_plan(new)
+        opt.planner.set_plan(new, max(opt.group_steps))
         train("transformer", a, opt, 3, device, accum=2, start=3 * step)
         train("transformer", b, ref, 3, device, accum=2, start=3 * step)
     assert max_diff(a, b) <= 1e-5
@@ -341,12 +341,12 @@ def test_online_refinement_replans_from_measured_lane_times(monkeypatch):
     lane within a few steps and the plan moves work off the CPU; the result stays exact."""
     import dataclasses
 
-    import dos.engine
+    import dos.planner
     from dos.perfmodel import DESIGN_H200
 
     fast = dataclasses.replace(DESIGN_H200, cpu_rate=tuple(r * 20 for r in DESIGN_H200.cpu_rate),
                                cpu_rate_dma=tuple(r * 20 for r in DESIGN_H200.cpu_rate_dma))
-    monkeypatch.setattr(dos.engine, "_calibration", lambda device: fast)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: fast)
     a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
                           cpu_threads=2)
     first = opt.plan
@@ -356,7 +356,7 @@ def test_online_refinement_replans_from_measured_lane_times(monkeypatch):
     assert opt.replans and opt.plan.share("staged") > first.share("staged")
     assert max_diff(a, b) <= 1e-5
     no = dos.DeepOptimizerStates(make_model("odd").parameters(), stride="auto", replan=False)
-    assert not no._refining
+    assert not no.planner.refining
 
 
 @pytest.mark.parametrize("placement,stride", [("interleaved", "auto"), ("interleaved", 2), ("static", None)])
@@ -367,12 +367,12 @@ def test_auto_gpu_fraction_sizes_resident_state_from_free_memory(monkeypatch, pl
     peak with resident state (slots and scratch count against it), the stride setting is kept,
     the resident subgroups' host blocks are released, and the result stays the oracle's,
     through a checkpoint round trip."""
-    import dos.engine
+    import dos.planner
     from dos.perfmodel import DESIGN_H200
 
     sg_numel = 500
     sg_bytes = 12 * sg_numel
-    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
     budget = []  # the free bytes the engine was told
 
     def free(dev):
@@ -381,7 +381,7 @@ def test_auto_gpu_fraction_sizes_resident_state_from_free_memory(monkeypatch, pl
         budget.append(0 if free_subgroups is None else free_subgroups * sg_bytes + dev.transient_bytes)
         return budget[-1]
 
-    monkeypatch.setattr(dos.engine, "_free_device_bytes", free)
+    monkeypatch.setattr(dos.planner, "free_device_bytes", free)
     kw = dict(subgroup_numel=sg_numel, placement=placement, gpu_fraction="auto", cpu_threads=16,
               replan=False)  # one plan choice, at the first step: resume is bitwise
     if stride is not None:
@@ -439,11 +439,11 @@ def test_refinement_searches_only_after_the_rates_moved(monkeypatch):
     refined rates stop moving, no step pays for it."""
     import dataclasses
 
-    import dos.engine
+    import dos.planner
     from dos import refine
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
     searches, drift = [], [0.0]
     monkeypatch.setattr(refine, "update", lambda calib, *a, **k: dataclasses.replace(
         calib, gpu_rate=calib.gpu_rate * (1 + drift[0])))
@@ -539,7 +539,7 @@ def test_overlap_backward_reports_a_failed_update():
     def boom(*a, **k):
         raise MemoryError("injected")
 
-    opt._early._update_ref = lambda: boom
+    opt._cpu_lane._update_ref = lambda: boom
     _backward(m)
     with pytest.raises(RuntimeError, match="overlapped with backward failed"):
         opt.step()
@@ -553,7 +553,7 @@ def test_overlap_worker_does_not_keep_the_optimizer_alive():
     m = make_model("transformer")
     opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=700, placement="cpu", overlap_backward=True)
     train("transformer", m, opt, 2)
-    ref, thread = weakref.ref(opt), opt._early._thread
+    ref, thread = weakref.ref(opt), opt._cpu_lane._thread
     del opt
     gc.collect()
     assert ref() is None
@@ -564,15 +564,15 @@ def test_overlap_worker_does_not_keep_the_optimizer_alive():
 def test_overlap_backward_measures_its_head_start_and_replans_with_it(monkeypatch):
     """With a calibration and stride='auto', the engine measures the backward time the CPU lane
     overlaps and re-plans with it; the result stays the oracle's."""
-    import dos.engine
+    import dos.planner
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
     a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
                           cpu_threads=2, overlap_backward=True)
     train("transformer", a, opt, 6)
     train("transformer", b, ref, 6)
-    assert opt.head_start_s > 0 and opt._searched_head_start > 0  # measured and searched with
+    assert opt.head_start_s > 0 and opt.planner._searched_head_start > 0  # measured and searched with
     assert max_diff(a, b) <= 1e-5
 
 
@@ -585,7 +585,7 @@ def _slow_worker(opt, seconds: float, log: Optional[list] = None):
         update(s, *args, **kw)
         if log is not None:
             log.append(("early", s))
-    opt._early._update_ref = lambda: slow
+    opt._cpu_lane._update_ref = lambda: slow
 
 
 @pytest.mark.parametrize("placement", [PLACEMENTS[0], PLACEMENTS[4]], ids=["cpu", "k2"])
@@ -614,10 +614,10 @@ def test_overlap_head_start_of_a_worker_behind_is_its_finished_work(monkeypatch)
     """With a calibration, a worker that had not caught up when step() started gets the head
     start its finished work takes at the calibrated rate (it waited on gradients and shared the
     host with backward), not the whole window; the record says what online planning used."""
-    import dos.engine
+    import dos.planner
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.engine, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
     a, opt, b, ref = pair("transformer", subgroup_numel=700, placement="cpu", cpu_threads=2,
                           overlap_backward=True)
     _slow_worker(opt, 0.1)
@@ -640,7 +640,7 @@ def test_overlap_gpu_lanes_are_enqueued_before_the_worker_is_drained():
     a, opt, b, ref = pair("transformer", subgroup_numel=700, overlap_backward=True, **PLACEMENTS[4])
     log: list = []
     _slow_worker(opt, 0.02, log)
-    lanes, drain = opt._lanes, opt._early.drain
+    lanes, drain = opt._lanes, opt._cpu_lane.drain
     staged = lanes._staged
 
     def logged_staged(*args):
@@ -650,7 +650,7 @@ def test_overlap_gpu_lanes_are_enqueued_before_the_worker_is_drained():
     def logged_drain():
         log.append(("drain", None))
         return drain()
-    lanes._staged, opt._early.drain = logged_staged, logged_drain
+    lanes._staged, opt._cpu_lane.drain = logged_staged, logged_drain
     updates: list = []
     cpu_update = lanes.cpu_update
     lanes.cpu_update = lambda s, *args, **kw: (updates.append(s), cpu_update(s, *args, **kw))[1]

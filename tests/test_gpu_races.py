@@ -94,7 +94,7 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
                 share = Fraction(step % 2)  # all-CPU after even steps, all-staged after odd ones
                 new = build_plan(opt.plan.numels, resident=0, staged_share=share,
                                  cpu_threads=opt.plan.cpu_threads, staging_slots=len(opt._dev.slots))
-                opt._set_plan(new.replace(cpu_order=new.cpu_order[::-1]))
+                opt.planner.set_plan(new.replace(cpu_order=new.cpu_order[::-1]), max(opt.group_steps))
         # Read the state right away, as a checkpoint would.
         state = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
     finally:

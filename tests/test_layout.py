@@ -78,7 +78,7 @@ def dangling_refs(files, sections: set) -> list:
 def _tracked_text_files():
     names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     skip = ("experiments/results/",)  # records and their logs quote history verbatim
-    return [ROOT / n for n in names
+    return [ROOT / n for n in names if (ROOT / n).is_file()
             if not n.startswith(skip) and n.endswith((".py", ".md", ".ipynb", ".yaml", ".sh", ".cpp",
                                                        ".h", ".inc", ".toml", "Makefile", ".cfg", ".txt"))]
 
@@ -102,3 +102,20 @@ def test_the_reference_check_catches_a_missing_section(tmp_path):
         assert design_sections("## 3. Plan\n### 3.1 Lanes\n") == {"3", "3.1"}
     finally:
         f.unlink()
+
+
+def mode_branches(source: str, words=("overlap", "early", "starts_in_backward", "placement")) -> list:
+    """`if`s (statements, expressions, comprehension filters) whose test names an overlap or
+    placement mode: the engine decides those once, at construction (Plan, CPU-lane object)."""
+    tree = ast.parse(source)
+    tests = [n.test for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    tests += [c for n in ast.walk(tree) if isinstance(n, ast.comprehension) for c in n.ifs]
+    return [ast.unparse(t) for t in tests if any(w in ast.unparse(t) for w in words)]
+
+
+def test_the_engine_is_short_and_never_branches_on_overlap():
+    engine = (ROOT / "dos" / "engine.py").read_text()
+    assert len(engine.splitlines()) < 300
+    assert mode_branches(engine) == []
+    assert mode_branches("if self._early is not None:\n    pass\nx = 1 if cfg.overlap_backward else 2\n") \
+        == ["self._early is not None", "cfg.overlap_backward"]

@@ -1,0 +1,200 @@
+"""The Planner: every decision about the Plan in force, and the measurements it rests on.
+
+It owns this machine's calibration (refined online from the lane times the Timeline measures),
+the CPU lane's head start under overlap_backward, the log of re-plans, and the resident sizing of
+`gpu_fraction="auto"`. The engine calls `before_step` and `after_step` around each update phase;
+the math lives in the pure modules (`perfmodel`: prediction and search, `refine`: online
+refinement), the Planner only holds state and applies their answers.
+"""
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+from typing import List, Optional
+
+import torch
+
+from . import perfmodel, refine
+from .config import EngineConfig
+from .partition import Layout
+from .plan import Plan, make_plan
+
+REPLAN_DRIFT = 0.02  # search again once a rate (or the head start) moved this much
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class Planner:
+    def __init__(self, config: EngineConfig, layout: Layout, itemsize: int, device: torch.device):
+        self.config, self.layout = config, layout
+        self._bytes = dict(grad_bytes=itemsize, param_bytes=itemsize)
+        self.max_threads = config.cpu_threads or usable_cores()
+        self.calibration = _calibration(device)
+        calibrated = self.calibration is not None
+        # Online refinement re-plans the stride and threads (stride="auto" only).
+        self.refining = (config.replan and config.placement == "interleaved" and config.stride == "auto"
+                         and calibrated)
+        # gpu_fraction="auto": the resident share is chosen at the first step, once the
+        # iteration's peak GPU memory is known.
+        self.sizing = config.gpu_fraction == "auto" and calibrated
+        self._searched = self.calibration  # the rates the current plan was searched under
+        self._searched_head_start = 0.0  # ... and the head start (overlap_backward)
+        self.head_start_s = 0.0  # backward seconds the CPU lane overlaps (moving average)
+        self.replans: List[dict] = []  # {"step", "plan", "predicted_step_s"} of every re-plan
+        self.plan = self._initial_plan()
+        self._lanes = self._dev = self._host = self._sync = self._tl = None
+
+    @property
+    def may_stage_later(self) -> bool:
+        """Whether a later plan may stage subgroups that this one does not (slots to allocate)."""
+        return self.refining or (self.sizing and self.config.placement == "interleaved")
+
+    def attach(self, lanes, dev, host, sync, timeline) -> None:
+        """The engine's objects a plan change acts on (lanes, buffers) or reads (lane times)."""
+        self._lanes, self._dev, self._host, self._sync, self._tl = lanes, dev, host, sync, timeline
+
+    def _initial_plan(self) -> Plan:
+        """The plan the config asks for; with a calibration of this machine, stride="auto" is the
+        performance model's choice (share and threads, resident share as configured) and every
+        plan carries its predicted update-phase time."""
+        cfg, calib = self.config, self.calibration
+        plan = make_plan(self.layout, placement=cfg.placement, stride=cfg.stride,
+                         gpu_fraction=cfg.fixed_fraction, cpu_threads=self.max_threads,
+                         staging_slots=cfg.staging_slots)
+        if calib is None:
+            return plan
+        if cfg.placement == "interleaved" and cfg.stride == "auto":
+            plan, _ = perfmodel.choose(plan.numels, calib, free_gpu_bytes=float("inf"),
+                                       max_threads=self.max_threads, staging_slots=cfg.staging_slots,
+                                       resident=len(plan.resident), **self._bytes)
+            return plan.replace(source="perfmodel")
+        return plan.replace(predicted_step_s=perfmodel.predict(plan, calib, **self._bytes).total_s)
+
+    # -- around each update phase --------------------------------------------------------------
+    def before_step(self, step: int, progress, starts_in_backward: bool) -> None:
+        """At a step's start: the head start the CPU lane had (`progress`, dos.cpu_lane.Progress,
+        taken as step() began; None: it did not start in backward); at the first step the
+        resident sizing (gpu_fraction="auto"); else, for a lane that starts in step(), online
+        refinement on the previous step's lane times."""
+        if progress is not None:
+            done = sum(self.layout.subgroups[s].numel for s in progress.done)
+            h = refine.head_start(progress.window_s, done, progress.backlog, self.calibration,
+                                  self.plan.cpu_threads)
+            self.head_start_s = h if not self.head_start_s else 0.5 * (self.head_start_s + h)
+        if self.sizing:
+            self.sizing = False
+            self._size_resident(step)
+        elif self.refining and not starts_in_backward:
+            self._refine(step)
+
+    def after_step(self, step: int, starts_in_backward: bool) -> None:
+        """A lane that starts in backward re-plans after the update instead: the next backward
+        starts it by the plan in force (a re-plan at the next step's start could hand an
+        already-updated subgroup to the GPU). It uses the previous step's times too."""
+        if self.refining and starts_in_backward:
+            self._refine(step)
+
+    # -- decisions -----------------------------------------------------------------------------
+    def _refine(self, step: int) -> None:
+        """Online refinement: the last step's lane times move the calibrated rates; a plan
+        predicted >5% faster (same resident share and slots: nothing on the GPU is reallocated)
+        replaces the current one. Safe at this point: gradients routed by the old plan are
+        re-sent by `GradRouter.flush` where the new one puts them on the CPU."""
+        totals = self._tl.totals()
+        if not totals:
+            return
+        self.calibration = refine.update(self.calibration, self.plan, totals, **self._bytes)
+        # The search runs on the host, in the CPU lane's path: search again only once the rates
+        # (or the head start) moved; they settle within a few steps (docs/DESIGN.md §10).
+        h, h_searched = self.head_start_s, self._searched_head_start
+        if (refine.drift(self._searched, self.calibration) < REPLAN_DRIFT
+                and abs(h - h_searched) <= REPLAN_DRIFT * max(h, h_searched)):
+            return
+        self._searched, self._searched_head_start = self.calibration, h
+        better = refine.replan(self.plan, self.calibration, staging_slots=len(self._dev.slots),
+                               max_threads=self.max_threads, head_start_s=h, **self._bytes)
+        if better is not None:
+            self.set_plan(better[0].replace(source="replan"), step)
+
+    def _size_resident(self, step: int) -> None:
+        """gpu_fraction="auto", at the first step: the performance model's plan for the GPU memory
+        left free at the peak of the iteration just run (resident share, staging slots, stride
+        where it is "auto", threads); the new resident subgroups move to the GPU and their host
+        blocks are released. Runs once, outside the steady-state loop (it synchronizes)."""
+        free = free_device_bytes(self._dev)
+        if free is None:
+            return
+        cfg = self.config
+        if cfg.placement == "static":
+            staged_shares = [Fraction(0)]
+        else:
+            staged_shares = None if cfg.stride == "auto" else [Fraction(1, cfg.stride)]
+        try:
+            plan, _ = perfmodel.choose(
+                self.plan.numels, self.calibration, free_gpu_bytes=free, max_threads=self.max_threads,
+                staging_slots=len(self._dev.slots), subgroup_numel=self.layout.subgroup_numel,
+                placement=cfg.placement, staged_shares=staged_shares, **self._bytes)
+        except ValueError:
+            return  # nothing of that shape fits: keep the plan
+        self._sync.synchronize()  # no copy still reads a slot or a host block given up below
+        self._lanes.keep_slots(plan.staging_slots if plan.staged_order else 0)
+        for s in plan.resident:
+            if s not in self._dev.resident:
+                self._dev.add_resident(s, self._host.state[s])
+                self._host.release(s)
+        self.set_plan(plan.replace(source="perfmodel"), step, free_gpu_bytes=free)
+
+    def set_plan(self, plan: Plan, step: int, free_gpu_bytes: Optional[float] = None) -> None:
+        """Put `plan` in force from the next update on, and log it. A new plan may move subgroups
+        between the CPU and staged lanes only: the resident ones and the slots are allocated."""
+        if (plan.resident != tuple(sorted(self._dev.resident))
+                or plan.staging_slots > len(self._dev.slots)):
+            raise ValueError("a new plan may move subgroups between the CPU and staged lanes only")
+        self.plan = plan
+        self._lanes.set_plan(plan)
+        entry = {"step": step, "plan": plan.to_record(), "predicted_step_s": plan.predicted_step_s}
+        if free_gpu_bytes is not None:
+            entry["free_gpu_gib"] = round(free_gpu_bytes / 2**30, 3)
+        self.replans.append(entry)
+
+    def record(self, last_overlapped: int) -> dict:
+        """What online planning did: each re-plan (step, stride, shares, threads, prediction) and
+        the head start it last planned with (overlap_backward)."""
+        keep = ("stride", "staged_share", "resident_fraction", "cpu_threads", "staging_slots", "source")
+        return {"head_start_s": round(self.head_start_s, 6), "last_overlapped": last_overlapped,
+                "replans": [dict({k: e["plan"].get(k) for k in keep}, step=e["step"],
+                                 predicted_step_s=e["predicted_step_s"],
+                                 **({"free_gpu_gib": e["free_gpu_gib"]} if "free_gpu_gib" in e else {}))
+                            for e in self.replans]}
+
+
+def _calibration(device: torch.device):
+    """This machine's cached calibration (`python -m dos calibrate`), for CUDA parameters."""
+    if device.type != "cuda" or os.environ.get("DOS_NO_CALIBRATION"):
+        return None
+    from .calibrate import load_or_none
+
+    return load_or_none()
+
+
+def free_device_bytes(dev) -> Optional[float]:
+    """GPU memory the optimizer may still take for the rest of the run: what the iteration's peak
+    (the allocator's reservation) left free under the process's cap and on the device, minus a
+    margin, plus what its staging slots and scratch hold now (a new plan may spend it otherwise).
+    None on a CPU device."""
+    device = dev.scratch.device
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    cap = total * get_fraction(device)
+    peak, now = torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device)
+    free_now, _ = torch.cuda.mem_get_info(device)
+    headroom = min(cap - peak, free_now - (peak - now))
+    margin = max(2**30, 0.03 * cap)
+    return max(0.0, headroom - margin) + dev.transient_bytes
