@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---------------------------------------------------------------- models and data
 
-@pytest.mark.parametrize("name,billions", [("1.3B", 1.35), ("3B", 3.37), ("7B", 6.74), ("13B", 13.0),
+@pytest.mark.parametrize("name,billions", [("1.3B", 1.35), ("3B", 3.37), ("5B", 4.60), ("7B", 6.74), ("13B", 13.0),
                                            ("20B", 20.33), ("30B", 30.14)])
 def test_preset_sizes_match_design(name, billions):
     assert models.PRESETS[name].n_params() / 1e9 == pytest.approx(billions, abs=0.02)
@@ -208,6 +208,45 @@ def test_deepspeed_configs_follow_design():
     assert "offload_optimizer" not in z3["zero_optimization"]
 
 
+def test_deepspeed_issue16_baselines_are_configured_as_an_expert_would():
+    z2 = systems.deepspeed_config(RunSpec(system="deepspeed-zero2-offload"))["zero_optimization"]
+    assert z2["stage"] == 2 and z2["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert z2["overlap_comm"] and z2["contiguous_gradients"] and z2["reduce_bucket_size"] == 200_000_000
+    assert "sub_group_size" not in z2 and z2["allgather_bucket_size"] == 200_000_000
+    bf = systems.deepspeed_config(RunSpec(system="deepspeed-zero2-offload-bf16"))
+    assert bf["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert bf["zero_optimization"]["stage"] == 2
+    z3 = systems.deepspeed_config(RunSpec(system="deepspeed-zero3-offload"))["zero_optimization"]
+    assert z3["stage"] == 3 and z3["offload_optimizer"]["ratio"] == 1.0
+    assert z3["stage3_param_persistence_threshold"] > models.PRESETS["5B"].vocab * models.PRESETS["5B"].hidden
+    tuned = systems.deepspeed_config(RunSpec(system="deepspeed-zero2-offload", ds_zero={"reduce_bucket_size": 5e8}))
+    assert tuned["zero_optimization"]["reduce_bucket_size"] == 5e8
+    with pytest.raises(ConfigError, match="needs dtype 'bf16'"):
+        RunSpec(system="deepspeed-zero2-offload-bf16", dtype="fp32")
+    with pytest.raises(ConfigError, match="sub_group_size does not apply"):
+        RunSpec(system="deepspeed-zero2-offload", sub_group_size=10)
+    with pytest.raises(ConfigError, match="ds_zero does not apply"):
+        RunSpec(system="torch-cpu", ds_zero={"stage": 2})
+    assert RunSpec(system="deepspeed-zero2-offload").ratio == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("system,state", [("deepspeed-zero2-offload", "fp32"),
+                                          ("deepspeed-zero2-offload-bf16", "bf16"),
+                                          ("deepspeed-zero3-offload", "fp32")])
+def test_deepspeed_issue16_baselines_run_on_the_cpu(system, state, tmp_path):
+    """DeepSpeed's CPU accelerator (gloo): each baseline trains the tiny model and records the
+    optimizer-state precision it kept (the CPU Adam's moments, read after the steps)."""
+    extra = ["sub_group_size=20000"] if system == "deepspeed-zero3-offload" else []
+    r = _cli("bench", f"system={system}", "device=cpu", "seq_len=32", "micro_batch=2", "warmup=1",
+             "steps=2", "nvml_hz=20", *extra, "--out", str(tmp_path), env={**os.environ, "DS_ACCELERATOR": "cpu"},
+             timeout=1200)
+    assert r.returncode == 0, r.stderr
+    (row,) = records.read_rows(tmp_path / "runs.csv")
+    assert row["status"] == "ok", row["error"]
+    assert row["state_dtype"] == state and row["cpu_impl"] == "DeepSpeedCPUAdam" and row["batch_id"]
+
+
 def test_oom_classification():
     from dos.lab.bench.run import is_oom
 
@@ -220,7 +259,7 @@ def test_oom_classification():
 
 def _cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "dos", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, **kw)
+                          timeout=kw.pop("timeout", 300), **kw)
 
 
 def test_cli_bench_errors():

@@ -5,6 +5,7 @@ update code) and, with the `gpu` marker, on CUDA with real streams and pinned me
 """
 import copy
 import io
+import itertools
 import time
 from typing import Optional
 
@@ -568,9 +569,20 @@ def test_overlap_backward_measures_its_head_start_and_replans_with_it(monkeypatc
     from dos.perfmodel import DESIGN_H200
 
     monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    # Deterministic (no wall-clock dependence): the clock is a counter advancing 1 ms per read, and
+    # the worker catches up before each step() (no backlog: the head start is its window, which
+    # spans at least its first update's reads of the clock). With real time and a worker still on
+    # its first subgroup at step(), the head start was 0 (nothing finished) 3 times in 5 on a quiet
+    # 2-core machine.
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
     a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
                           cpu_threads=2, overlap_backward=True)
-    train("transformer", a, opt, 6)
+    for step in range(6):  # helpers.train's loop, with the worker drained before step()
+        opt.zero_grad()
+        _backward(a, step)
+        opt._cpu_lane.drain()
+        opt.step()
     train("transformer", b, ref, 6)
     assert opt.head_start_s > 0 and opt.planner._searched_head_start > 0  # measured and searched with
     assert max_diff(a, b) <= 1e-5

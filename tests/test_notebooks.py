@@ -136,6 +136,7 @@ def test_stride_check_computes_issue_4_numbers_from_the_records():
     assert chk.loc[seven, "auto_vs_best"] == pytest.approx(0.017, abs=1e-3)
     assert (chk["auto_vs_best"] <= 0.05).all()
     assert chk.loc["3B", "auto_plan"] == "k=2, 16 threads" and chk.loc[seven, "auto_plan"] == "k=3, 16 threads"
+    assert list(chk["verdict"]) == ["PASS", "PASS"] and chk.verdict == "PASS"
     # A model that predicts every run exactly has no error.
     exact = results.predictions(rows[rows["system"] == "dos"], calib).assign(predicted_s=lambda d: d["step_s"])
     assert (results.stride_check(exact)["worst_error"] == 0).all()
@@ -178,15 +179,18 @@ def test_capped_check_compares_dos_with_the_fastest_twinflow_ratio_in_the_cap():
     assert chk["ratios_run"] == "0.8, 0.9"
     assert chk["vs_baseline"] == pytest.approx(0.258, abs=1e-3) and chk["vs_baseline"] <= 0.6
     assert not chk["same_call"] and chk["apart_s"] > results.CALL_S
+    assert chk["verdict"] == "MISS"  # issue 16: a ratio across calls is no evidence
     assert chk["peak_gpu_gib"] <= 40 and chk["baseline_peak_gpu_gib"] <= 40
     (inter,) = results.capped_check(rows, key="dos-interleaved").to_dict("records")
     assert inter["vs_baseline"] == pytest.approx(0.236, abs=1e-3) and inter["same_call"]
+    assert inter["verdict"] == "PASS"
     tf = rows[rows["key"].eq("deepspeed-twinflow")].set_index("ratio")
     auto = rows[rows["key"].eq("dos-auto") & rows["results_dir"].eq(tf["results_dir"].iloc[0])]
     assert auto["iter_s"].iloc[-1] / tf.loc[0.8, "iter_s"] == pytest.approx(0.239, abs=1e-3)  # its own call
     assert results.capped_check(rows[rows["key"].ne("deepspeed-twinflow")]).empty
     faster = rows.assign(iter_s=rows["iter_s"].where(rows["key"].ne("deepspeed-twinflow"), 1.0))
     assert results.capped_check(faster)["vs_baseline"].iloc[0] > 1  # the check can fail
+    assert results.capped_check(faster).verdict == "MISS"
 
 
 def test_reference_check_sets_deepspeed_rows_beside_design_section_8():
@@ -204,6 +208,8 @@ def test_reference_check_sets_deepspeed_rows_beside_design_section_8():
     unclipped = chk.xs("deepspeed-superoffload", level="system")
     assert (unclipped[~unclipped["clip"]]["vs_reference"] < -0.25).all()
     assert not chk.reset_index()["model"].eq("7B").any()  # §8 has no 7B DeepSpeed row here
+    assert chk.loc[("h200-1.3b", "deepspeed-zero-offload", "1.3B"), "verdict"] == "PASS"  # within 15%
+    assert (unclipped[~unclipped["clip"]]["verdict"] == "MISS").all() and chk.verdict == "MISS"
 
 
 def test_microbatch_check_compares_at_the_largest_micro_batch_no_offload_fits():
@@ -222,6 +228,8 @@ def test_microbatch_check_compares_at_the_largest_micro_batch_no_offload_fits():
     assert (chk["vs_baseline"] < 0.15).to_dict() == {
         "dos-auto": True, "dos-interleaved": False, "dos-cpu": False, "dos-cpu-overlap": True,
         "dos-interleaved-overlap": False}
+    assert (chk["verdict"] == "PASS").to_dict() == (chk["vs_baseline"] <= 0.15).to_dict()
+    assert chk.loc["dos-auto", "verdict"] == "PASS" and chk.verdict == "MISS"
     # Without an ok baseline row at a micro-batch, the check moves to the largest one it has.
     fewer = rows[~(rows["key"].eq("torch-gpu") & rows["micro_batch"].eq(8))]
     assert set(results.microbatch_check(fewer)["micro_batch"]) == {4}
@@ -236,11 +244,13 @@ def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
     chk = results.convergence_check(steps)
     assert chk["key"].value_counts().to_dict() == {"dos-interleaved": 6, "deepspeed-zero-offload": 4}
     assert chk["mean_rel_diff"].abs().max() < 0.005 and chk["diff_over_noise"].max() < 0.10
+    assert chk.verdict == "PASS" and (chk["verdict"] == "PASS").all()
     assert list(chk[chk["key"].eq("deepspeed-zero-offload")]["steps"])[-1] == "150-201"  # its 200 steps
     dos = steps["key"].eq("dos-interleaved")
     shifted = steps.assign(loss=steps["loss"].where(~dos, steps["loss"] * 1.01))
     mine = lambda chk: chk[chk["key"].eq("dos-interleaved")]  # noqa: E731
     assert mine(results.convergence_check(shifted))["mean_rel_diff"].abs().min() > 0.005
+    assert (mine(results.convergence_check(shifted))["verdict"] == "MISS").all()
     rng = np.random.default_rng(0)
     noisy = steps.assign(loss=steps["loss"] + dos * rng.normal(0, 0.1, len(steps)))
     assert mine(results.convergence_check(noisy))["diff_over_noise"].max() > 0.10
@@ -251,7 +261,7 @@ def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
 
 def test_results_table_lists_the_gpu_records():
     table = figures.results_table()
-    assert "| 1.3B | dos interleaved" in table and "DS ZeRO-Offload" in table
+    assert "| 1.3B | dos interleaved" in table and "DeepSpeed ZeRO-3 + CPU optimizer offload" in table
     assert "smoke" not in table and "tiny" not in table
 
 

@@ -31,6 +31,14 @@ def _parser() -> argparse.ArgumentParser:
                         "e.g. model=3B or 'system=[dos, torch-gpu]'")
     s.add_argument("--dry-run", action="store_true", help="list the runs and preflight decisions only")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--allow-dirty", action="store_true",
+                   help="run a headline sweep from a tree with uncommitted changes (trials; env DOS_ALLOW_DIRTY=1)")
+    s.add_argument("--supersede", action="append", default=[], metavar="RUN_ID",
+                   help="re-measure this recorded run (repeatable): rows are added, marked as superseding it")
+    s.add_argument("--reason", help="why the --supersede rows are replaced (required with --supersede)")
+    s.add_argument("--batch-id", help="continue this batch (a resume on the same machine, e.g. a sweep longer "
+                                      "than one device call; its rows' gpu_uuid and boot_id show whether it was); "
+                                      "default: a new batch per invocation")
     for q in (b, s):
         q.add_argument("--host-memory-gib", type=float, help="host memory the preflight may plan for")
         q.add_argument("--pack", metavar="PATH.tar.gz", help="pack the results dir into one tar.gz (refreshed after every run)")
@@ -106,17 +114,29 @@ def main(argv=None) -> int:
         else:
             sweep = sw.load(args.file)
             sweep.runs = sw.select(sweep.runs, _pairs(args.where))
+            if args.supersede:
+                if not (args.reason or "").strip():
+                    raise ConfigError("--supersede needs --reason (why the old rows are replaced)")
+                sweep.supersedes = list(dict.fromkeys([*sweep.supersedes, *args.supersede]))
+                sweep.supersede_reason = "; ".join(x for x in (sweep.supersede_reason, args.reason) if x)
             out = Path(args.out) if args.out else sw.default_out(sweep.name)
             progress = not args.no_progress
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    counts = sw.run(sweep, out, pack=args.pack, dry_run=getattr(args, "dry_run", False),
-                    host_memory_gib=args.host_memory_gib, progress=progress)
+    batch_id = getattr(args, "batch_id", None) or sw.new_batch_id()
+    try:
+        counts = sw.run(sweep, out, pack=args.pack, dry_run=getattr(args, "dry_run", False),
+                        host_memory_gib=args.host_memory_gib, progress=progress,
+                        allow_dirty=getattr(args, "allow_dirty", False), batch_id=batch_id)
+    except sw.DirtyTree as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if getattr(args, "dry_run", False):
         return 0
     summary = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
-    print(f"{sweep.name}: {summary} -> {out / 'runs.csv'}" + (f" (packed: {args.pack})" if args.pack else ""))
+    print(f"{sweep.name}: {summary} -> {out / 'runs.csv'}, batch {batch_id}"
+          + (f" (packed: {args.pack})" if args.pack else ""))
     if args.cmd == "bench":
         if counts.get("already"):
             print("already recorded in this directory (use another --out to run it again):")

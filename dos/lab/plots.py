@@ -30,6 +30,9 @@ PALETTE = {
     "torch-gpu": "#6e6e6e",
     "torch-cpu": "#b5b5b5",
     "deepspeed-zero-offload": "#d62728",
+    "deepspeed-zero3-offload": "#a01c1c",
+    "deepspeed-zero2-offload": "#bcbd22",
+    "deepspeed-zero2-offload-bf16": "#dbdb8d",
     "deepspeed-twinflow": "#ff7f0e",
     "deepspeed-superoffload": "#9467bd",
     "deepspeed-zero3": "#8c564b",
@@ -46,11 +49,16 @@ LABELS = {
     "dos-auto-overlap": "dos auto, overlapped with backward",
     "torch-gpu": "torch, no offload",
     "torch-cpu": "torch (CPU device)",
-    "deepspeed-zero-offload": "DS ZeRO-Offload",
-    "deepspeed-twinflow": "DS TwinFlow",
-    "deepspeed-superoffload": "DS SuperOffload",
-    "deepspeed-zero3": "DS ZeRO-3, no offload",
-    "torchao-cpu-offload": "torchao offload",
+    # Issue 16: name what ran. The key deepspeed-zero-offload (older records) is stage 3, not the
+    # original ZeRO-Offload (stage 2: deepspeed-zero2-offload).
+    "deepspeed-zero-offload": "DeepSpeed ZeRO-3 + CPU optimizer offload",
+    "deepspeed-zero3-offload": "DeepSpeed ZeRO-3 + CPU optimizer offload, tuned for one GPU",
+    "deepspeed-zero2-offload": "DeepSpeed ZeRO-2 offload (ZeRO-Offload)",
+    "deepspeed-zero2-offload-bf16": "DeepSpeed ZeRO-2 offload, bf16 master and states",
+    "deepspeed-twinflow": "DeepSpeed ZeRO-3 TwinFlow",
+    "deepspeed-superoffload": "DeepSpeed ZeRO-3 SuperOffload",
+    "deepspeed-zero3": "DeepSpeed ZeRO-3, no offload",
+    "torchao-cpu-offload": "torchao CPUOffloadOptimizer",
 }
 ORDER = list(R.ORDER)
 PHASES = (("fwd_s", "forward", 0.35), ("bwd_s", "backward", 0.65), ("step_s", "update", 1.0))

@@ -25,10 +25,52 @@ NUMERIC = ("gpu_fraction", "ratio", "n_params", "seq_len", "micro_batch", "gpus"
 _GIB = 2**30
 ORDER = ("dos-interleaved", "dos-interleaved-overlap", "dos-auto", "dos-auto-overlap", "dos-static",
          "dos-cpu", "dos-cpu-overlap", "dos-gpu", "torch-gpu", "torch-cpu",
+         "deepspeed-zero2-offload", "deepspeed-zero2-offload-bf16", "deepspeed-zero3-offload",
          "deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload", "deepspeed-zero3",
          "torchao-cpu-offload")
 """Every system key, in the order figures and tables list them."""
 Paths = Union[str, Path, Sequence[Union[str, Path]]]
+PASS, MISS = "PASS", "MISS"
+
+
+class CheckTable(pd.DataFrame):
+    """A check's table: one row per comparison with its `target` and `verdict` (PASS or MISS).
+    Its `verdict` is PASS when every row passes (MISS when one misses, or when nothing could be
+    compared), and it prints that verdict above the table (text and notebook HTML alike)."""
+
+    @property
+    def _constructor(self):
+        return CheckTable
+
+    @property
+    def verdict(self) -> str:
+        ok = "verdict" in self.columns and len(self) and self["verdict"].eq(PASS).all()
+        return PASS if ok else MISS
+
+    def summary(self) -> str:
+        if "verdict" not in self.columns or not len(self):
+            return f"verdict: {MISS} (no comparable rows)"
+        n_pass = int(self["verdict"].eq(PASS).sum())
+        targets = "; ".join(dict.fromkeys(str(t) for t in self["target"])) if "target" in self else ""
+        return f"verdict: {self.verdict} ({n_pass} of {len(self)} rows pass; target: {targets})"
+
+    def __repr__(self) -> str:
+        return self.summary() + "\n" + super().__repr__()
+
+    def _repr_html_(self):
+        import html
+
+        return f"<p><b>{html.escape(self.summary())}</b></p>" + (super()._repr_html_() or "")
+
+
+def _check_table(out: list, columns: Sequence[str]) -> CheckTable:
+    """`out` (dicts with `target` and `verdict`) as a CheckTable, with `columns` when empty."""
+    return CheckTable(out) if out else CheckTable(columns=[*columns, "target", "verdict"])
+
+
+def _require(df, what: str) -> None:
+    if df is None or not len(df):
+        raise ValueError(f"{what}: empty input (no rows to check)")
 
 
 def repo_root() -> Path:
@@ -107,6 +149,15 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     plan = pd.DataFrame([{**_plan_fields(p), **sp} for p, sp in zip(df["plan"], specs)],
                         index=df.index, columns=[*_plan_fields(""), *_spec_fields("")])
     df = pd.concat([df, plan.apply(pd.to_numeric, errors="coerce")], axis=1)
+    if "state_dtype" not in df:
+        df["state_dtype"] = ""
+    implied = [("bf16" if s == "deepspeed-zero2-offload-bf16" or (s == "torchao-cpu-offload" and d == "bf16")
+                else "fp32") for s, d in zip(df["system"], df["dtype"] if "dtype" in df else [""] * len(df))]
+    df["state_dtype"] = [x if isinstance(x, str) and x else i for x, i in zip(df["state_dtype"], implied)]
+    for c in ("batch_id", "gpu_uuid", "boot_id"):
+        df[c] = df[c].fillna("") if c in df else ""
+    df["repeat"] = pd.to_numeric(df["repeat"].replace("", None), errors="coerce") if "repeat" in df else float("nan")
+    df["config_id"] = [_config_id(c, r) for c, r in zip(df["config"], df["run_id"])]
     df["smoke"] = df["device"].eq("cpu")
     df["params_b"] = df["n_params"] / 1e9
     df["date"] = df["timestamp"].str[:10]
@@ -114,6 +165,19 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df["gpu_bytes_per_param"] = df["peak_gpu_gib"] * _GIB / df["n_params"]
     df["host_bytes_per_param_peak"] = df["peak_host_gib"] * _GIB / df["n_params"]
     return df
+
+
+def _config_id(text: str, run_id: str) -> str:
+    """The run_id the row's configuration has without its repetition index (repeats of one
+    configuration share it; a row without a recorded configuration keeps its run_id)."""
+    run = (json.loads(text).get("run") or {}) if isinstance(text, str) and text.startswith("{") else {}
+    if not run:
+        return run_id
+    run = {k: v for k, v in run.items() if v is not None and k != "repeat"}
+    import hashlib
+
+    blob = json.dumps(run, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
 def _cpu_share(r) -> float:
@@ -127,19 +191,39 @@ def _cpu_share(r) -> float:
 
 
 def rows(dirs: Paths, status: Iterable[str] = ("ok",)) -> pd.DataFrame:
-    """Rows of every `runs.csv` under `dirs` with one of `status`, newest first per run_id (the
-    same configuration recorded in two sweeps counts once: its latest measurement)."""
+    """Rows of every `runs.csv` under `dirs` with one of `status`, the latest per run_id and batch_id
+    (the same configuration recorded in two sweeps counts once: its latest measurement; in two
+    batches, once per batch), without rows a later row supersedes (`superseded`)."""
     frames = []
     for d in as_paths(dirs):
         recs = records.read_rows(d / "runs.csv") if d.is_dir() else []
         if recs and "system" in recs[0]:  # kernel benchmarks have rows of their own schema
             frames.append(pd.DataFrame(recs).assign(results_dir=str(d)))
     if not frames:
-        return _derive(pd.DataFrame(columns=[*records.COLUMNS, "results_dir"]))
+        return _derive(pd.DataFrame(columns=[*records.COLUMNS, "results_dir", "superseded"]))
     df = pd.concat(frames, ignore_index=True)
-    df = df[df["status"].isin(list(status))]
-    df = df.sort_values("timestamp", kind="stable").drop_duplicates("run_id", keep="last")
+    for c in records.COLUMNS:  # rows of an older schema
+        if c not in df:
+            df[c] = ""
+    df = df.fillna({c: "" for c in records.COLUMNS})
+    df["superseded"] = superseded(df)
+    df = df[df["status"].isin(list(status)) & ~df["superseded"]]
+    # one row per run_id and batch (rows before the protocol have no batch_id: one per run_id)
+    df = df.sort_values("timestamp", kind="stable").drop_duplicates(["run_id", "batch_id"], keep="last")
     return _derive(df.reset_index(drop=True))
+
+
+def superseded(df: pd.DataFrame) -> pd.Series:
+    """Whether each row is superseded: a later row (by timestamp) names its run_id in `supersedes`
+    (a re-run marks the rows it replaces; they stay in runs.csv, and readers ignore them)."""
+    marks = {}  # run_id -> latest timestamp of a row superseding it
+    if "supersedes" in df:
+        for ids, t in zip(df["supersedes"], df["timestamp"]):
+            for rid in str(ids or "").split(";"):
+                if rid.strip():
+                    marks[rid.strip()] = max(marks.get(rid.strip(), ""), str(t))
+    return pd.Series([r in marks and str(t) < marks[r] for r, t in zip(df["run_id"], df["timestamp"])],
+                     index=df.index, dtype=bool)
 
 
 def defaults_only(df: pd.DataFrame) -> pd.DataFrame:
@@ -296,7 +380,9 @@ def stride_panels(dfp: pd.DataFrame) -> pd.DataFrame:
 def stride_check(dfp: pd.DataFrame) -> pd.DataFrame:
     """Issue 4's checks per stride-sweep panel: relative error |predicted - measured| / measured
     of the update phase over the fixed strides and all-CPU (median, worst), the best measured
-    one, and how far the "auto" run is from it."""
+    one, and how far the "auto" run is from it. Target (issue 4): median error <= 10%, worst <= 20%,
+    auto within 5% of the best measured stride (STRIDE_TARGET); a panel passes when all hold."""
+    _require(dfp, "stride_check")
     out = []
     for panel, m in stride_panels(dfp).groupby("panel", sort=False):
         fixed = m[m["stride"].ne("auto")]
@@ -313,7 +399,15 @@ def stride_check(dfp: pd.DataFrame) -> pd.DataFrame:
                     "auto_plan": (f"k={auto['plan_stride'].iloc[-1]:g}, {auto['cpu_threads'].iloc[-1]:g} threads"
                                   if len(auto) and auto["plan_stride"].notna().iloc[-1] else None),
                     "auto_vs_best": auto_s / best["step_s"] - 1 if best is not None else float("nan")})
-    return pd.DataFrame(out)
+        r = out[-1]
+        held = (r["median_error"] <= STRIDE_TARGET["median_error"] and r["worst_error"] <= STRIDE_TARGET["worst_error"]
+                and r["auto_vs_best"] <= STRIDE_TARGET["auto_vs_best"])
+        r.update(target=STRIDE_TARGET_TEXT, verdict=PASS if held else MISS)
+    return _check_table(out, ("panel", "median_error", "worst_error", "auto_vs_best"))
+
+
+STRIDE_TARGET = {"median_error": 0.10, "worst_error": 0.20, "auto_vs_best": 0.05}
+STRIDE_TARGET_TEXT = "median error <= 0.10, worst <= 0.20, auto_vs_best <= 0.05"
 
 
 # ---------------------------------------------------------------- issue 7 checks
@@ -335,7 +429,9 @@ def capped_check(df: pd.DataFrame, system: str = "deepspeed-twinflow", key: str 
     the fastest `system` row (a TwinFlow ratio) that ran within the same cap, from the results
     directory of that model's latest capped `system` run (one machine kind). `apart_s`: seconds
     between the two rows; `same_call`: within CALL_S of each other (side by side in one call;
-    a sweep resumed in a later call is not)."""
+    a sweep resumed in a later call is not). Target (issue 7, criterion 1): `vs_baseline` <=
+    CAPPED_TARGET, measured in one call (issue 16: a ratio across calls is no evidence)."""
+    _require(df, "capped_check")
     d = df[df["status"].eq("ok") & df["gpu_mem_cap_gib"].notna()] if "status" in df else df
     out = []
     for (model, cap), m in d.groupby(["model", "gpu_mem_cap_gib"], sort=False):
@@ -354,8 +450,13 @@ def capped_check(df: pd.DataFrame, system: str = "deepspeed-twinflow", key: str 
                     "best_ratio": best["ratio"], "baseline_iter_s": best["iter_s"],
                     "baseline_peak_gpu_gib": best["peak_gpu_gib"], "vs_baseline": r["iter_s"] / best["iter_s"],
                     "apart_s": apart, "same_call": apart <= CALL_S,
-                    "sweep": Path(r["results_dir"]).name, "run_id": r["run_id"]})
-    return pd.DataFrame(out)
+                    "sweep": Path(r["results_dir"]).name, "run_id": r["run_id"],
+                    "target": f"vs_baseline <= {CAPPED_TARGET} in one call",
+                    "verdict": PASS if r["iter_s"] / best["iter_s"] <= CAPPED_TARGET and apart <= CALL_S else MISS})
+    return _check_table(out, ("model", "gpu_cap_gib", "key", "vs_baseline", "same_call"))
+
+
+CAPPED_TARGET = 0.6
 
 
 DESIGN_S8 = {  # DESIGN.md §8: DeepSpeed 0.19.8 on this H200 machine, median s/iter, seq 2048, mb 1
@@ -370,7 +471,9 @@ def reference_check(df: pd.DataFrame) -> pd.DataFrame:
     """Issue 5, criterion 2: every recorded DeepSpeed row at DESIGN.md §8's settings (micro-batch
     1, synthetic data, no GPU cap, TwinFlow at 0.5) against §8's median s/iter, with and without
     gradient clipping (`clip`), and its ratio to the ZeRO-Offload row of the same results directory
-    and clipping (side by side) beside §8's ratio."""
+    and clipping (side by side) beside §8's ratio. Target (issue 5, criterion 2): within
+    REFERENCE_TOLERANCE (15%) of §8."""
+    _require(df, "reference_check")
     ref = DESIGN_S8
     d = df[df["system"].str.startswith("deepspeed") & df["gpu_mem_cap_gib"].isna()
            & df["micro_batch"].eq(1) & df["data"].isin(["synthetic", ""])
@@ -388,14 +491,21 @@ def reference_check(df: pd.DataFrame) -> pd.DataFrame:
                     "run_id": r.run_id, "iter_s": r.iter_s, "fwd_s": r.fwd_s, "bwd_s": r.bwd_s,
                     "step_s": r.step_s, "reference_s": want, "vs_reference": r.iter_s / want - 1,
                     "over_zero_offload": r.iter_s / zo["iter_s"].iloc[-1] if len(zo) else float("nan"),
-                    "reference_over_zero_offload": want / zo_ref if zo_ref else float("nan")})
-    return pd.DataFrame(out)
+                    "reference_over_zero_offload": want / zo_ref if zo_ref else float("nan"),
+                    "target": f"|vs_reference| <= {REFERENCE_TOLERANCE}",
+                    "verdict": PASS if abs(r.iter_s / want - 1) <= REFERENCE_TOLERANCE else MISS})
+    return _check_table(out, ("model", "system", "clip", "sweep", "run_id", "vs_reference"))
+
+
+REFERENCE_TOLERANCE = 0.15
 
 
 def microbatch_check(df: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD) -> pd.DataFrame:
     """Issue 7, criterion 2, per (model, system): at the largest micro-batch the no-offload
     baseline fits (an `ok` row of the first of `baselines` present), each system's iteration time
-    over the baseline's, and its update phase's share of its iteration."""
+    over the baseline's, and its update phase's share of its iteration. Target (issue 7,
+    criterion 2): within MICROBATCH_TARGET (15%) of the baseline."""
+    _require(df, "microbatch_check")
     d = df[df["status"].eq("ok")] if "status" in df else df
     baseline = baseline_key(d["key"], baselines) if len(d) else None
     out = []
@@ -410,8 +520,13 @@ def microbatch_check(df: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD) ->
             out.append({"model": model, "micro_batch": int(mb), "key": key, "iter_s": r["iter_s"],
                         "baseline_iter_s": b["iter_s"], "vs_baseline": r["iter_s"] / b["iter_s"] - 1,
                         "update_share": r["step_s"] / r["iter_s"], "peak_gpu_gib": r["peak_gpu_gib"],
-                        "baseline_peak_gpu_gib": b["peak_gpu_gib"]})
-    return pd.DataFrame(out)
+                        "baseline_peak_gpu_gib": b["peak_gpu_gib"],
+                        "target": f"vs_baseline <= {MICROBATCH_TARGET}",
+                        "verdict": PASS if r["iter_s"] / b["iter_s"] - 1 <= MICROBATCH_TARGET else MISS})
+    return _check_table(out, ("model", "micro_batch", "key", "vs_baseline"))
+
+
+MICROBATCH_TARGET = 0.15
 
 
 def convergence_check(steps: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD, window: int = 50) -> pd.DataFrame:
@@ -421,10 +536,13 @@ def convergence_check(steps: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD
     (the std of consecutive differences / sqrt 2: what one batch moves the loss). The criterion
     held here: every window's means within 0.5% (about bf16's relative precision, 2^-8) and the
     per-step differences below 10% of the loss noise. A shorter run is compared over the steps it
-    has. Empty without a baseline run."""
-    baseline = baseline_key(steps["key"], baselines) if len(steps) else None
+    has. Target (CONVERGENCE_TARGET): |mean_rel_diff| <= 0.005 and diff_over_noise <= 0.10 per
+    window. Raises on empty input; without a baseline run the table is empty (verdict MISS)."""
+    _require(steps, "convergence_check")
+    columns = ("key", "steps", "mean_rel_diff", "diff_over_noise")
+    baseline = baseline_key(steps["key"], baselines)
     if baseline is None:
-        return pd.DataFrame()
+        return _check_table([], columns)
     full = steps[steps["key"].eq(baseline)].sort_values("step").set_index("step")["loss"]
     out = []
     for key, s in steps[steps["key"].ne(baseline)].groupby("key", sort=False):
@@ -442,4 +560,133 @@ def convergence_check(steps: pd.DataFrame, baselines: Sequence[str] = NO_OFFLOAD
             out.append({"key": key, "steps": f"{a.index[0]}-{a.index[-1]}", "baseline_mean": a.mean(),
                         "mean": b.mean(), "mean_rel_diff": b.mean() / a.mean() - 1,
                         "diff_std": diff.std(), "loss_noise": noise, "diff_over_noise": diff.std() / noise})
+            r = out[-1]
+            held = (abs(r["mean_rel_diff"]) <= CONVERGENCE_TARGET["mean_rel_diff"]
+                    and r["diff_over_noise"] <= CONVERGENCE_TARGET["diff_over_noise"])
+            r.update(target="|mean_rel_diff| <= 0.005, diff_over_noise <= 0.10", verdict=PASS if held else MISS)
+    return _check_table(out, columns)
+
+
+CONVERGENCE_TARGET = {"mean_rel_diff": 0.005, "diff_over_noise": 0.10}
+
+
+# ---------------------------------------------------------------- issue 16: the protocol
+
+OFFLOAD_BASELINES = ("deepspeed-zero2-offload", "deepspeed-zero2-offload-bf16", "deepspeed-zero3-offload",
+                     "deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload",
+                     "torchao-cpu-offload")
+"""The offload systems dos is compared against (torch without offload is a reference, not one)."""
+GROUP = ("batch_id", "model", "key", "config_id")
+
+
+def summary(df: pd.DataFrame, value: str = "iter_s") -> pd.DataFrame:
+    """Per (batch_id, model, system key, configuration): the median, min and max of `value` over
+    its repeats (`runs` of them), the state precision, GPUs and hosts (boot ids) it ran on, and
+    its label. Rows with status ok only; raises on empty input."""
+    _require(df, "summary")
+    d = df[df["status"].eq("ok")] if "status" in df else df
+    _require(d, "summary (status ok)")
+    out = []
+    for (batch, model, key, cfg), g in d.groupby(list(GROUP), sort=False):
+        v = g[value].astype(float)
+        r = g.iloc[0]
+        out.append({"batch_id": batch, "model": model, "key": key, "config_id": cfg,
+                    "state_dtype": r["state_dtype"], "ratio": r.get("ratio"), "runs": len(g),
+                    "median": v.median(), "min": v.min(), "max": v.max(),
+                    "gpus": ", ".join(sorted(set(g["gpu_uuid"]) - {""})),
+                    "hosts": ", ".join(sorted(set(g["boot_id"]) - {""})), "n_params": r["n_params"],
+                    "run_ids": ", ".join(g["run_id"])})
+    rank = {k: i for i, k in enumerate(ORDER)}
+    return pd.DataFrame(out).assign(_r=lambda t: t["key"].map(lambda k: rank.get(k, len(ORDER)))).sort_values(
+        ["batch_id", "n_params", "_r"], kind="stable").drop(columns="_r").reset_index(drop=True)
+
+
+def ratio(summ: pd.DataFrame, key: str, baseline: str, model: Optional[str] = None) -> float:
+    """median(`key`) / median(`baseline`) from `summary` rows, only within one batch: raises
+    ValueError when the two come from different batches (or from rows without a batch_id:
+    recorded before the protocol), or when either is missing or ambiguous."""
+    s = summ if model is None else summ[summ["model"].eq(model)]
+    a, b = s[s["key"].eq(key)], s[s["key"].eq(baseline)]
+    if len(a) != 1 or len(b) != 1:
+        raise ValueError(f"ratio {key} / {baseline}: need one summary row each, got {len(a)} and {len(b)} "
+                         "(select one batch and model first)")
+    ba, bb = a["batch_id"].iloc[0], b["batch_id"].iloc[0]
+    if not ba or not bb or ba != bb:
+        raise ValueError(f"ratio {key} / {baseline}: not within one batch ({ba or 'no batch_id'} against "
+                         f"{bb or 'no batch_id'}); ratios are taken only within one batch")
+    return float(a["median"].iloc[0] / b["median"].iloc[0])
+
+
+def headline_ratios(df: pd.DataFrame, keys: Sequence[str] = ("dos-interleaved", "dos-auto", "dos-cpu"),
+                    baselines: Sequence[str] = OFFLOAD_BASELINES) -> pd.DataFrame:
+    """Per batch and model, each of `keys` (median over its repeats) against the fastest of
+    `baselines` (by median) with the same optimizer-state precision, named; with the ranges.
+    Rows without a batch_id (recorded before the protocol) are left out. Raises on empty input."""
+    summ = summary(df)
+    summ = summ[summ["batch_id"].ne("")]
+    out = []
+    for (batch, model), g in summ.groupby(["batch_id", "model"], sort=False):
+        for _, r in g[g["key"].isin(keys)].iterrows():
+            base = g[g["key"].isin(baselines) & g["state_dtype"].eq(r["state_dtype"])]
+            if not len(base):
+                continue
+            b = base.loc[base["median"].idxmin()]
+            out.append({"batch_id": batch, "model": model, "key": r["key"], "state_dtype": r["state_dtype"],
+                        "median_s": r["median"], "range_s": f"{r['min']:.3f}-{r['max']:.3f}", "runs": r["runs"],
+                        "baseline": b["key"], "baseline_label": _label(b["key"]),
+                        "baseline_median_s": b["median"], "baseline_range_s": f"{b['min']:.3f}-{b['max']:.3f}",
+                        "baseline_runs": b["runs"], "vs_baseline": r["median"] / b["median"]})
     return pd.DataFrame(out)
+
+
+def _label(key: str) -> str:
+    try:
+        from dos.lab.plots import label
+    except ImportError:  # plotting libraries absent: the key names it
+        return key
+    return label(key)
+
+
+HEADLINE_TARGET = 0.40
+"""Issue 16, criterion 2: dos interleaved without resident state <= 0.40x the fastest fp32 offload
+baseline (medians, same batch), at 3B and at the ~5B shape."""
+
+
+def headline_check(df: pd.DataFrame, key: str = "dos-interleaved", target: float = HEADLINE_TARGET,
+                   models: Optional[Sequence[str]] = ("3B", "5B")) -> CheckTable:
+    """Issue 16, criterion 2, per batch and model (of `models`; None: all): `key`'s median over the
+    fastest offload baseline of equal state precision, PASS when <= `target` with >= 3 runs of
+    each. Raises on empty input."""
+    _require(df, "headline_check")
+    h = headline_ratios(df, keys=(key,))
+    if models is not None and len(h):
+        h = h[h["model"].isin(list(models))]
+    out = []
+    for r in h.to_dict("records"):
+        enough = r["runs"] >= 3 and r["baseline_runs"] >= 3
+        r.update(target=f"vs fastest {r['state_dtype']} offload baseline <= {target} (median, >= 3 runs, one batch)",
+                 verdict=PASS if r["vs_baseline"] <= target and enough else MISS)
+        out.append(r)
+    return _check_table(out, ("batch_id", "model", "key", "vs_baseline"))
+
+
+def batch_table(df: pd.DataFrame, keys: Sequence[str] = ("dos-interleaved", "dos-auto", "dos-cpu")) -> str:
+    """Markdown: per batch and model, every system's median s/iter with its min-max and runs, and
+    each row's ratio to the fastest offload baseline of its state precision (named) within the
+    batch; rows without a batch_id are left out."""
+    summ = summary(df)
+    summ = summ[summ["batch_id"].ne("")]
+    lines = ["| batch | model | system | state | runs | median s/iter | min-max | vs fastest offload baseline (same state precision) |",
+             "|---|---|---|---|---:|---:|---|---|"]
+    for (batch, model), g in summ.groupby(["batch_id", "model"], sort=False):
+        for _, r in g.iterrows():
+            base = g[g["key"].isin(OFFLOAD_BASELINES) & g["state_dtype"].eq(r["state_dtype"])
+                     & g["key"].ne(r["key"])]
+            vs = ""
+            if len(base):
+                b = base.loc[base["median"].idxmin()]
+                vs = f"{r['median'] / b['median']:.2f}x {_label(b['key'])}"
+            name = _label(r["key"]) + (f", ratio {r['ratio']:g}" if r["key"] == "deepspeed-twinflow" else "")
+            lines.append(f"| {batch} | {model} | {name} | {r['state_dtype']} | {r['runs']} | {r['median']:.3f} | "
+                         f"{r['min']:.3f}-{r['max']:.3f} | {vs} |")
+    return "\n".join(lines) + "\n"

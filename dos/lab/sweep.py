@@ -11,6 +11,15 @@ A sweep file (experiments/sweeps/NAME.yaml):
       - {system: deepspeed-zero-offload}
     host_memory_gib: null         # host memory the preflight may plan for (default: available)
     timeout_s: 900                # per run
+    repeat: 3                     # each run 3 times, round-robin: every run once, then again, ...
+    headline: true                # refuse to run from a dirty tree (git sha ending in -dirty)
+    supersedes: [RUN_ID, ...]     # rows this sweep re-measures (readers then ignore them) ...
+    supersede_reason: free text   # ... and why (required with supersedes)
+
+Every row carries the sweep process's `batch_id` (one per invocation: a resumed sweep is a new
+batch), the GPU's UUID, the host's boot id and, under `repeat`, its repetition (1..N; each a run_id
+of its own). Ratios are taken within one batch only (dos.lab.results). A headline sweep refuses a
+dirty tree unless `--allow-dirty` (or DOS_ALLOW_DIRTY=1) is given; the row's git_sha says so then.
 
 Every run is a child process (`python -m dos.lab.bench.run`, its own process group); the parent
 appends its row. Finished run_ids are not run again, so a killed sweep reruns only what was in
@@ -36,9 +45,9 @@ import sys
 import tarfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import psutil
 import yaml
@@ -46,7 +55,8 @@ import yaml
 from dos.lab.bench import records
 from dos.lab.bench.spec import CUDA_ONLY, ConfigError, RunSpec
 
-SWEEP_KEYS = {"name", "description", "defaults", "grid", "runs", "host_memory_gib", "timeout_s"}
+SWEEP_KEYS = {"name", "description", "defaults", "grid", "runs", "host_memory_gib", "timeout_s",
+              "repeat", "headline", "supersedes", "supersede_reason"}
 RESULTS = Path("experiments") / "results"
 _GIB = 2**30
 SETTLE_MAX_S = 60.0   # the preflight's longest wait for host memory still being released
@@ -63,6 +73,10 @@ class Sweep:
     host_memory_gib: Optional[float] = None
     timeout_s: float = 900.0
     description: str = ""
+    repeat: int = 1
+    headline: bool = False
+    supersedes: List[str] = field(default_factory=list)
+    supersede_reason: str = ""
 
 
 # ---------------------------------------------------------------- loading
@@ -109,7 +123,23 @@ def parse(doc, default_name: str = "sweep") -> Sweep:
     timeout = doc.get("timeout_s", 900)
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ConfigError(f"timeout_s must be a positive number, got {timeout!r}")
-    return Sweep(name, specs, host, float(timeout), str(doc.get("description") or ""))
+    repeat = doc.get("repeat", 1)
+    if not (isinstance(repeat, int) and not isinstance(repeat, bool) and repeat >= 1):
+        raise ConfigError(f"repeat must be an int >= 1, got {repeat!r}")
+    if repeat > 1:  # round-robin: every run once, then every run again, ...
+        specs = [replace(s, repeat=i) for i in range(1, repeat + 1) for s in specs]
+    headline = doc.get("headline", False)
+    if not isinstance(headline, bool):
+        raise ConfigError(f"headline must be true or false, got {headline!r}")
+    sup, reason = doc.get("supersedes") or [], doc.get("supersede_reason")
+    if isinstance(sup, str):
+        sup = [sup]
+    if not (isinstance(sup, list) and all(isinstance(x, str) and x for x in sup)):
+        raise ConfigError(f"supersedes must be a list of run_ids, got {sup!r}")
+    if sup and not (isinstance(reason, str) and reason.strip()):
+        raise ConfigError("supersedes needs a supersede_reason (why the old rows are replaced)")
+    return Sweep(name, specs, host, float(timeout), str(doc.get("description") or ""), repeat,
+                 headline, list(sup), str(reason or ""))
 
 
 def select(specs: List[RunSpec], where: dict) -> List[RunSpec]:
@@ -161,7 +191,12 @@ def host_bytes_estimate(spec: RunSpec) -> tuple:
         fixed = 0.0 if spec.gpu_fraction == "auto" else spec.gpu_fraction or 0.0
         share = 0.0 if spec.placement == "gpu" else 1.0 - fixed
         host_bpp = 14.0 * share  # fp32 master + 2 moments + bf16 gradient slot
-    elif s in ("deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload"):
+    elif s == "deepspeed-zero2-offload":
+        host_bpp = 22.0  # fp32 master + moments + fp32 gradient partition, pinned (issue 16: 20-25)
+    elif s == "deepspeed-zero2-offload-bf16":
+        host_bpp = 12.0  # bf16 master, moments and gradients (8), pinned staging besides
+    elif s in ("deepspeed-zero-offload", "deepspeed-zero3-offload", "deepspeed-twinflow",
+               "deepspeed-superoffload"):
         host_bpp = 20.0 * spec.ratio  # DeepSpeed measured 19.6 B/param at 6.7B (DESIGN.md §1-2)
     elif s == "torchao-cpu-offload":
         host_bpp = 12.0
@@ -300,7 +335,16 @@ def _trim_log(path: Path, keep: int = 512 << 10) -> None:
         path.write_bytes(data[:keep] + b"\n[... trimmed ...]\n" + data[-keep:])
 
 
-def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float) -> dict:
+def new_batch_id() -> str:
+    """One per sweep process: UTC time and a random suffix (sortable, unique across machines)."""
+    import datetime as dt
+    import uuid
+
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
+
+
+def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float, batch_id: str = "",
+             supersedes: Sequence[str] = (), supersede_reason: str = "") -> dict:
     from dos.lab.bench.models import preset
 
     p = preset(spec.model, spec.model_overrides)
@@ -314,6 +358,9 @@ def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float) -> dict:
         micro_batch=spec.micro_batch, gpus=spec.gpus, device=res.get("device") or spec.device,
         gpu_mem_cap_gib=spec.gpu_mem_cap_gib, host_mem_gib=round(host_mem_gib, 2),
         warmup=spec.warmup, steps=spec.steps, data=spec.data, dtype=spec.dtype,
+        state_dtype=res.get("state_dtype") or spec.state_dtype(), batch_id=batch_id,
+        gpu_uuid=res.get("gpu_uuid") or "", boot_id=records.boot_id(), repeat=spec.repeat,
+        supersedes=";".join(supersedes) or None, supersede_reason=supersede_reason or None,
         plan=res.get("plan"),
         config={"run": spec.to_dict(), "model": res.get("model_record"), "data": res.get("data_record"),
                 "system": res.get("config"), "sampler": res.get("sampler"),
@@ -328,13 +375,39 @@ def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float) -> dict:
 
 # ---------------------------------------------------------------- a sweep
 
+class DirtyTree(ConfigError):
+    """A headline sweep asked to run from a tree with uncommitted changes."""
+
+
+def allow_dirty_env() -> bool:
+    return os.environ.get("DOS_ALLOW_DIRTY", "") not in ("", "0")
+
+
+def check_clean(sweep: Sweep, allow_dirty: bool = False) -> None:
+    """A headline sweep runs from a committed tree: raise DirtyTree when the git sha ends in
+    -dirty (or is unknown), unless allowed (`--allow-dirty`, DOS_ALLOW_DIRTY=1)."""
+    if not sweep.headline or allow_dirty or allow_dirty_env():
+        return
+    sha = records.git_sha()
+    if sha.endswith("-dirty") or sha == "unknown":
+        raise DirtyTree(f"{sweep.name} is a headline sweep (headline: true) and the tree is {sha!r}: "
+                        "commit first (records must name the code that produced them), or pass "
+                        "--allow-dirty / DOS_ALLOW_DIRTY=1 for a trial")
+
+
 def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False,
-        host_memory_gib: Optional[float] = None, progress: bool = True) -> dict:
-    """Run every missing run of `sweep` into `out_dir`; return counts by status."""
+        host_memory_gib: Optional[float] = None, progress: bool = True, allow_dirty: bool = False,
+        batch_id: Optional[str] = None) -> dict:
+    """Run every missing run of `sweep` into `out_dir`, and again those it supersedes; return
+    counts by status. Every row gets this call's `batch_id` (a new one by default)."""
     out_dir = Path(out_dir)
     csv_path = out_dir / "runs.csv"
+    if not dry_run:
+        check_clean(sweep, allow_dirty)
+    batch_id = batch_id or new_batch_id()
     latest = {r["run_id"]: r["status"] for r in records.read_rows(csv_path)}  # last row wins
-    todo = [s for s in sweep.runs if latest.get(s.run_id(), "skipped") == "skipped"]
+    again = set(sweep.supersedes)  # re-measured: run even where a row is there
+    todo = [s for s in sweep.runs if latest.get(s.run_id(), "skipped") == "skipped" or s.run_id() in again]
     total_host = psutil.virtual_memory().total / _GIB
     counts = {"already": len(sweep.runs) - len(todo)}
     if dry_run:
@@ -359,7 +432,8 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
             else:
                 res = run_child(spec, run_dir, sweep.timeout_s)
             if not (why and spec.run_id() in latest):  # skipped again: its row is there already
-                records.append_row(csv_path, make_row(spec, sweep.name, res, total_host))
+                records.append_row(csv_path, make_row(spec, sweep.name, res, total_host, batch_id,
+                                                      sweep.supersedes, sweep.supersede_reason))
             counts[res["status"]] = counts.get(res["status"], 0) + 1
             bar.set_postfix_str(_postfix(res))
             bar.update(1)

@@ -46,6 +46,9 @@ PRESETS = {
     # DESIGN.md §8 (1.35B / 3.37B / 6.74B / 13.0B parameters).
     "1.3B": ModelPreset(hidden=2048, layers=24, heads=16, ffn=5504),
     "3B": ModelPreset(hidden=3072, layers=28, heads=24, ffn=8192),
+    # Issue 16's "~5B" (4.60B parameters, head dim 128): the largest Llama-like shape whose DeepSpeed
+    # ZeRO-2 offload fits the 1-GPU machine's 125 GiB host with room (20-25 B/param: 86-107 GiB).
+    "5B": ModelPreset(hidden=3584, layers=28, heads=28, ffn=9728),
     "7B": ModelPreset(hidden=4096, layers=32, heads=32, ffn=11008),
     "13B": ModelPreset(hidden=5120, layers=40, heads=40, ffn=13824),
     # The paper's larger range; head dim 128 as in the Llama family (20.3B / 30.1B parameters).

@@ -1,6 +1,9 @@
 """Records (DESIGN.md §5): the row schema, atomic appends to runs.csv, and env.json.
 
-`runs.csv` is only ever appended to, one physical line per row, under an exclusive lock and with an
+`COLUMNS` only ever grows at its end, and a file keeps the header it was created with: a row
+appended to a file with an older (shorter) header is a longer line whose further cells are the
+`COLUMNS` beyond that header (`read_rows` names them so; the lines already there are never
+rewritten), and an old row reads its missing columns as "". `runs.csv` is only ever appended to, one physical line per row, under an exclusive lock and with an
 fsync, so a sweep killed at any instant leaves every finished row intact; a torn final line (a kill
 inside the write) is not a row and is cut before the next append. A resumed sweep reads the run_ids
 already there and appends only the missing ones.
@@ -35,13 +38,31 @@ COLUMNS = (
     "iter_s_min", "iter_s_max", "peak_gpu_reserved_gib", "peak_gpu_nvml_gib", "host_bytes_per_param",
     "cpu_impl", "warmup", "steps", "data", "dtype", "init_s", "wall_s", "nvml", "sample_hz",
     "plan", "config", "steps_file", "markers_file", "samples_file", "lanes_file", "log_file",
+    # issue 16 (appended: older files have the 51 columns above): the optimizer state's precision,
+    # the protocol (one batch_id per sweep process; the GPU and the boot of the host it ran on;
+    # which repetition), and what a re-run replaces (run_ids, ';'-separated, and why)
+    "state_dtype", "batch_id", "gpu_uuid", "boot_id", "repeat", "supersedes", "supersede_reason",
 )
 STATUSES = ("ok", "oom", "error", "skipped")
 JSON_COLUMNS = ("plan", "config")
 
 
+RECORDS_PATHSPEC = ":(exclude)experiments/results"
+"""Records are data, not code: changes under experiments/results do not make the tree dirty (a
+resumed sweep appends to a tracked runs.csv)."""
+
+
+def boot_id() -> str:
+    """This host's boot id (/proc/sys/kernel/random/boot_id: new at every boot); "" where absent."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def git_sha() -> str:
-    """Commit of the working tree ('-dirty' when it has changes); DOS_GIT_SHA where there is no .git."""
+    """Commit of the working tree ('-dirty' when tracked files other than records have changes);
+    DOS_GIT_SHA where there is no .git."""
     if os.environ.get("DOS_GIT_SHA"):
         return os.environ["DOS_GIT_SHA"]
     root = Path(__file__).resolve().parents[3]
@@ -50,7 +71,8 @@ def git_sha() -> str:
                              text=True, timeout=10).stdout.strip()
         if not sha:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                RECORDS_PATHSPEC], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -80,7 +102,9 @@ def format_line(row: dict, columns: Iterable[str]) -> str:
 def append_row(path, row: dict) -> None:
     """Append `row` as one line of `path` atomically (flock + O_APPEND + fsync).
 
-    A new file gets the header; an existing file keeps its own header (columns it lacks are dropped).
+    A new file gets the header. An existing file keeps its own header: one that is a prefix of
+    `COLUMNS` (an older schema) gets the row in full, a longer line (see the module docstring);
+    a file of another schema gets only the columns its header names.
     """
     unknown = set(row) - set(COLUMNS)
     if unknown:
@@ -94,6 +118,8 @@ def append_row(path, row: dict) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             columns = _repair_and_header(fd)
+            if columns and _older_schema(columns):
+                columns = list(COLUMNS)
             data = format_line(row, columns or COLUMNS)
             if not columns:
                 data = format_line({c: c for c in COLUMNS}, COLUMNS) + data
@@ -121,8 +147,15 @@ def _repair_and_header(fd: int) -> Optional[List[str]]:
     return next(csv.reader([header])) if header.strip() else None
 
 
+def _older_schema(header) -> bool:
+    """Whether a file's header is `COLUMNS` or a prefix of it (this schema, maybe older)."""
+    return 0 < len(header) <= len(COLUMNS) and tuple(header) == COLUMNS[: len(header)]
+
+
 def read_rows(path) -> List[dict]:
-    """Rows of a runs.csv as dicts of strings ([] when it does not exist)."""
+    """Rows of a runs.csv as dicts of strings ([] when it does not exist). In a file of this
+    schema every row has every column of `COLUMNS` ("" where its line has no cell: a row written
+    before the column existed); cells beyond the header are named by `COLUMNS`."""
     path = Path(path)
     if not path.exists():
         return []
@@ -130,7 +163,19 @@ def read_rows(path) -> List[dict]:
         text = f.read()
     if text and not text.endswith("\n"):  # torn line: not a row
         text = text[: text.rfind("\n") + 1]
-    return [r for r in csv.DictReader(io.StringIO(text)) if r.get("run_id")]
+    lines = csv.reader(io.StringIO(text))
+    header = next(lines, None)
+    if not header:
+        return []
+    names = list(COLUMNS) if _older_schema(header) else header
+    out = []
+    for cells in lines:
+        if len(cells) > len(names):
+            cells = cells[: len(names)]
+        r = dict(zip(names, cells + [""] * (len(names) - len(cells))))
+        if r.get("run_id"):
+            out.append(r)
+    return out
 
 
 # ---------------------------------------------------------------- environment

@@ -131,6 +131,7 @@ class _Run:
             uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
             gpu = {"gpu_index": torch.cuda.current_device(),
                    "gpu_uuid": (uuid if uuid.startswith("GPU-") else "GPU-" + uuid) if uuid else None}
+            res["gpu_uuid"] = gpu["gpu_uuid"]  # the row's gpu_uuid (issue 16: which physical GPU)
         self.sampler = Sampler(self.clock.t0, hz=spec.nvml_hz, **gpu)
         if device.type != "cuda":
             self.sampler.nvml_status = f"absent: device is {device.type}"

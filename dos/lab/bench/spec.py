@@ -15,11 +15,20 @@ SYSTEMS = {
     "torch-gpu": "no offload: bf16 model, fp32 master weights, torch fused AdamW on the GPU",
     "torch-cpu": "the torch-gpu baseline on the CPU device (CI stand-in; no offload exists there)",
     "deepspeed-zero3": "DeepSpeed ZeRO-3 without offload (DESIGN.md §8's 'no offload' column)",
-    "deepspeed-zero-offload": "DeepSpeed ZeRO-3, optimizer offloaded to the CPU (ratio 1.0)",
+    "deepspeed-zero-offload": "DeepSpeed ZeRO-3 + CPU optimizer offload (ratio 1.0), DESIGN.md §8's settings",
+    "deepspeed-zero3-offload": "DeepSpeed ZeRO-3 + CPU optimizer offload tuned for one GPU (parameters "
+                               "persistent, large prefetch / live limits; systems.ZERO3_ONE_GPU)",
+    "deepspeed-zero2-offload": "DeepSpeed ZeRO-2 + CPU optimizer offload (the original ZeRO-Offload): "
+                               "pinned, overlap_comm, contiguous gradients, tuned buckets",
+    "deepspeed-zero2-offload-bf16": "deepspeed-zero2-offload in DeepSpeed's low-precision mode: bf16 "
+                                    "master weights, gradients and optimizer states",
     "deepspeed-twinflow": "DeepSpeed ZeRO-3 partial offload: `ratio` of the optimizer on the CPU",
     "deepspeed-superoffload": "DeepSpeed ZeRO-3 with offload_optimizer.super_offload",
     "torchao-cpu-offload": "torchao.optim.CPUOffloadOptimizer around torch AdamW",
 }
+DS_OFFLOAD = ("deepspeed-zero-offload", "deepspeed-zero3-offload", "deepspeed-zero2-offload",
+              "deepspeed-zero2-offload-bf16", "deepspeed-superoffload")
+"""DeepSpeed systems that offload the whole optimizer (ratio 1.0)."""
 CUDA_ONLY = {"torch-gpu", "deepspeed-superoffload", "torchao-cpu-offload"}
 PLACEMENTS = ("cpu", "static", "interleaved", "gpu")
 DATA = ("synthetic", "stdlib")
@@ -67,6 +76,8 @@ class RunSpec:
     """dos: start the CPU lane during backward (None: off; needs max_grad_norm None)."""
     sub_group_size: Optional[int] = None
     """DeepSpeed ZeRO-3 sub_group_size (None: 1e8, as in DESIGN.md §8)."""
+    ds_zero: Optional[dict] = None
+    """DeepSpeed: keys merged over the system's zero_optimization section (tuning sweeps)."""
     max_grad_norm: Optional[float] = None
     """Global gradient clipping (None: none) for every system that supports it."""
     gpu_mem_cap_gib: Optional[float] = None
@@ -85,15 +96,18 @@ class RunSpec:
     """dos: record the per-subgroup lane timeline (adds one synchronization per step)."""
     nvml_hz: float = 100.0
     """Sampling rate of the NVML / host-memory sampler."""
+    repeat: Optional[int] = None
+    """Which repetition of the same configuration (sweep `repeat: N`: 1..N, round-robin); None for a
+    single run. Only the run_id (and the row's `repeat`) differ: seed and data are the same."""
 
     def __post_init__(self):
         _validate(self)
         defaults = {}
         if self.system == "dos":
             defaults = {"gpu_fraction": 0.0, "stride": "auto" if self.placement == "interleaved" else None}
-        elif self.system in ("deepspeed-zero-offload", "deepspeed-superoffload"):
+        elif self.system in DS_OFFLOAD:
             defaults = {"ratio": 1.0}
-        if self.system.startswith("deepspeed"):
+        if self.system.startswith("deepspeed") and not self.system.startswith("deepspeed-zero2"):
             defaults["sub_group_size"] = 100_000_000
         for k, v in defaults.items():
             if getattr(self, k) is None:
@@ -110,6 +124,17 @@ class RunSpec:
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
+    def state_dtype(self) -> str:
+        """Precision of the optimizer state (master weights and moments) the system keeps: fp32 for
+        dos, torch and DeepSpeed's mixed precision; bf16 for DeepSpeed's bf16 mode and for torchao
+        (its state follows the parameters' dtype). The row's value comes from the built system
+        where it can say (systems.*.describe); this is what the configuration implies."""
+        if self.system == "deepspeed-zero2-offload-bf16":
+            return "bf16"
+        if self.system == "torchao-cpu-offload":
+            return "bf16" if self.dtype == "bf16" else "fp32"
+        return "fp32"
+
     def label(self) -> str:
         parts = [self.system]
         if self.placement:
@@ -125,6 +150,8 @@ class RunSpec:
         parts += [self.model, f"s{self.seq_len}", f"mb{self.micro_batch}"]
         if self.gpu_mem_cap_gib:
             parts.append(f"cap{self.gpu_mem_cap_gib:g}G")
+        if self.repeat is not None:
+            parts.append(f"#{self.repeat}")
         return " ".join(parts)
 
     @classmethod
@@ -193,6 +220,9 @@ def _validate(s: RunSpec) -> None:
     _check_type("nvml_hz", s.nvml_hz, (int, float), "a rate in Hz")
     if not 1 <= s.nvml_hz <= 1000:
         raise ConfigError(f"nvml_hz must be in [1, 1000], got {s.nvml_hz}")
+    _check_type("repeat", s.repeat, (int,), "an int >= 1")
+    if s.repeat is not None and s.repeat < 1:
+        raise ConfigError(f"repeat must be >= 1, got {s.repeat}")
 
 
 def _only(s: RunSpec, names, who: str):
@@ -205,7 +235,7 @@ def _validate_system(s: RunSpec) -> None:
     dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots",
                 "overlap_backward")
     if s.system == "dos":
-        _only(s, ("ratio", "sub_group_size"), "dos")
+        _only(s, ("ratio", "sub_group_size", "ds_zero"), "dos")
         if s.placement not in PLACEMENTS:
             raise ConfigError(f"dos needs placement in {PLACEMENTS}, got {s.placement!r}")
         if s.stride is not None:
@@ -236,6 +266,13 @@ def _validate_system(s: RunSpec) -> None:
     if s.system.startswith("deepspeed"):
         _check_type("ratio", s.ratio, (int, float), "a number in (0, 1]")
         _check_type("sub_group_size", s.sub_group_size, (int,), "an int >= 1")
+        if s.ds_zero is not None and not isinstance(s.ds_zero, dict):
+            raise ConfigError(f"ds_zero must be a mapping of zero_optimization keys, got {s.ds_zero!r}")
+        if s.system.startswith("deepspeed-zero2"):
+            _only(s, ("sub_group_size",), "ZeRO-3 only")
+        if s.system == "deepspeed-zero2-offload-bf16" and s.dtype != "bf16":
+            raise ConfigError("impossible configuration: deepspeed-zero2-offload-bf16 keeps bf16 master "
+                              "weights: it needs dtype 'bf16'")
         if s.system == "deepspeed-twinflow":
             if s.ratio is None or not 0 < s.ratio < 1:
                 raise ConfigError(f"deepspeed-twinflow needs a ratio in (0, 1) (share offloaded to the "
@@ -246,4 +283,4 @@ def _validate_system(s: RunSpec) -> None:
             raise ConfigError(f"{s.system} offloads everything (ratio 1.0), got ratio {s.ratio}; "
                               "use deepspeed-twinflow for a partial offload")
     else:
-        _only(s, ("ratio", "sub_group_size"), "DeepSpeed only")
+        _only(s, ("ratio", "sub_group_size", "ds_zero"), "DeepSpeed only")
