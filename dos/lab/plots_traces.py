@@ -248,30 +248,59 @@ def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
 
 # ---------------------------------------------------------------- figure 10
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
 def loss_curves(steps: pd.DataFrame, rows: pd.DataFrame, baseline: Sequence[str] = R.NO_OFFLOAD,
-                smooth: int = 10, note: str = ""):
-    """Fig. 10: training loss per step of every system on the same data, and each one's difference
-    to the no-offload baseline (same seed, same batches: an exact optimizer gives ~0)."""
-    fig, axes = figure(1, 2, w=4.6)
+                smooth: int = 10, window: int = 50, note: str = ""):
+    """Fig. 10: training loss per step of every system on the same data (left; the curves lie on
+    top of each other, so each has its own line style), and each one's per-step difference to the
+    no-offload baseline (right) inside the band of the loss's own step-to-step noise: the std of
+    consecutive baseline differences / sqrt 2 over a `window`-step rolling window (what one batch
+    moves the loss; results.convergence_check's noise). Same seed, same batches: an exact
+    optimizer stays well inside the band."""
+    fig, axes = figure(1, 2, w=4.8)
     a, b = axes[0]
     if not len(steps):
         empty(a, "loss curves (steps.csv)")
         caption(fig, rows, note)
         return fig
     base_key = R.baseline_key(steps["key"], baseline)
-    base = steps[steps["key"] == base_key].set_index("step")["loss"] if base_key else None
-    for key in keys_in(steps):
+    base = (steps[steps["key"] == base_key].drop_duplicates("step", keep="last").set_index("step")["loss"]
+            .sort_index() if base_key else None)
+    keys = ([base_key] if base_key else []) + [k for k in keys_in(steps) if k != base_key]
+    for i, key in enumerate(keys):
         s = steps[steps["key"] == key].sort_values("step")
-        a.plot(s["step"], s["loss"], color=PALETTE.get(key), alpha=0.25, lw=0.8)
+        lw, ls = (2.6, "-") if key == base_key else (1.4, LINESTYLES[1 + (i - 1) % 3])
         a.plot(s["step"], s["loss"].rolling(smooth, min_periods=1).mean(), color=PALETTE.get(key),
-               lw=1.5, label=label(key))
-        if base is not None and key != base_key:
-            diff = s.set_index("step")["loss"] - base
-            b.plot(diff.index, diff.values, color=PALETTE.get(key), lw=1, label=label(key))
-    a.set(xlabel="training step", ylabel=f"loss (nats/token; {smooth}-step mean)")
+               lw=lw, ls=ls, alpha=0.55 if key == base_key else 1.0, label=label(key))
+    a.set(xlabel="training step", ylabel=f"loss (nats/token; {smooth}-step mean)", yscale="log")
+    lo, hi = steps["loss"].min(), steps["loss"].max()
+    a.set_yticks([t for t in (2, 3, 4, 6, 8, 10, 12, 16) if lo * 0.9 <= t <= hi * 1.1] or [lo, hi])
+    plain_log(a)
     a.legend(fontsize=7)
-    b.axhline(0, color="0.3", lw=0.8)
-    b.set(xlabel="training step", ylabel=f"loss - {label(base_key) if base_key else 'baseline'} (nats)")
+    if base is not None:
+        noise = base.diff().rolling(window, min_periods=10, center=True).std() / 2 ** 0.5
+        b.fill_between(noise.index, -noise, noise, color="0.85", lw=0,
+                       label=f"\u00b1 loss noise (one batch; {window}-step window)")
+        b.axhline(0, color=PALETTE.get(base_key), lw=1.2)
+        for i, key in enumerate(k for k in keys if k != base_key):
+            d = (steps[steps["key"] == key].drop_duplicates("step", keep="last").set_index("step")["loss"]
+                 - base).dropna()
+            b.plot(d.index, d.values, color=PALETTE.get(key), lw=0.6, alpha=0.35)
+            b.plot(d.index, d.rolling(smooth, min_periods=1).mean(), color=PALETTE.get(key), lw=1.5,
+                   ls=LINESTYLES[1 + i % 3], label=f"{label(key)} ({smooth}-step mean)")
+        settled = noise[noise.index >= noise.index.min() + window]  # past the first steps' fall
+        lim = float(np.nanmax(settled.to_numpy())) * 1.25 if settled.notna().any() else None
+        if lim:
+            b.set_ylim(-lim, lim)
+        b.legend(fontsize=6.5, loc="lower left")
+    b.set(xlabel="training step",
+          ylabel=f"loss \u2212 {label(base_key) if base_key else 'baseline'} (nats)")
+    b.set_title("difference to no offload, inside the loss's own noise", fontsize=9)
+    model = rows["model"].iloc[0] if len(rows) else ""
+    a.set_title(f"{model}: the same loss curve with and without offload", fontsize=9)
     data = rows["data"].iloc[0] if len(rows) else ""
-    caption(fig, rows, note or f"data: {data} (same seed and batches for every system)")
+    caption(fig, rows, note or f"data: {data} (same seed and batches for every system); right: faint "
+            f"lines per step; the band is cut at the first {window} steps' fall, where it is wider")
     return fig
