@@ -34,7 +34,7 @@ PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation
 # torch and its CUDA libraries are never fetched: the target machine's own torch is pinned.
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 EXTRA_PINS = {"deepspeed": "0.19.8"}
-BUILD = ["setuptools>=77", "wheel"]  # pyproject's build backend, for the offline editable install
+BUILD = ["setuptools>=77", "wheel", "packaging"]  # pyproject's build backend, for the offline editable install
 
 
 def norm(name: str) -> str:

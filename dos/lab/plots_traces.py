@@ -63,10 +63,15 @@ def memory_trace(df: pd.DataFrame, keys: Sequence[str] = ("deepspeed-zero-offloa
                 ax.axvspan(m["start_s"] - t0, m["end_s"] - t0, color=PHASE_SHADE[m["phase"]][1], lw=0)
             for c, ls in zip(cols, ("-", ":")):
                 y = s[c].astype(float).where(s[c].astype(float) >= 0) * scale  # counter glitches < 0
-                ax.plot(s["t_s"] - t0, y.rolling(3, min_periods=1).mean(), ls, lw=1.1,
-                        color=PALETTE.get(row["key"]))
+                if c not in ("gpu_alloc_mib", "gpu_mem_used_mib"):  # memory unsmoothed: peaks stay
+                    y = y.rolling(3, min_periods=1).mean()
+                ax.plot(s["t_s"] - t0, y, ls, lw=1.1, color=PALETTE.get(row["key"]))
+            if cols == ("gpu_alloc_mib",) and pd.notna(row["peak_gpu_gib"]):
+                ax.axhline(row["peak_gpu_gib"], color="0.25", ls="--", lw=0.8)
+                ax.text(0.99, row["peak_gpu_gib"], f"peak allocated {row['peak_gpu_gib']:.1f} GiB",
+                        transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=7)
             axes[i, 0].set_ylabel(ylabel, fontsize=8)
-        axes[0, j].set_title(f"{label(row['key'])}, {row['model']}: {row['iter_s']:.2f} s/iteration, "
+        axes[0, j].set_title(f"{label(row['key'])}, {row['model']}\n{row['iter_s']:.2f} s/iteration, "
                              f"update {row['step_s']:.2f} s", fontsize=8.5)
         axes[-1, j].set_xlabel("time since the first measured iteration (s)")
     for ax in axes[:, 0]:
@@ -75,8 +80,8 @@ def memory_trace(df: pd.DataFrame, keys: Sequence[str] = ("deepspeed-zero-offloa
     fig.legend(handles=handles, loc="outside upper right", ncols=3)
     peaks = ", ".join(f"{label(r['key'])} {r['peak_gpu_gib']:.1f} GiB" for r, _, _ in traces
                       if pd.notna(r["peak_gpu_gib"]))
-    caption(fig, d, note or (f"NVML memory is what the caching allocator holds; peak allocated: {peaks}"
-                             if peaks else ""))
+    caption(fig, d, note or (f"NVML memory is what the caching allocator holds; peak allocated over the "
+                             f"whole run (dashed; torch.cuda.max_memory_allocated): {peaks}" if peaks else ""))
     return fig
 
 
@@ -152,7 +157,7 @@ def _rates(ax, calib) -> None:
 def timeline(events: pd.DataFrame, row, step: Optional[int] = None, note: str = ""):
     """Fig. 4: one update phase, per subgroup and lane (seconds from the start of `opt.step()`;
     negative: gradient copies during backward). Default step: the traced step of median span."""
-    fig, axes = figure(1, 1, w=9.0, h=3.4)
+    fig, axes = figure(1, 1, w=9.0, h=4.2)
     ax = axes[0, 0]
     if not len(events):
         empty(ax, "lane timeline (a dos run with trace on)")
@@ -166,8 +171,10 @@ def timeline(events: pd.DataFrame, row, step: Optional[int] = None, note: str = 
     width = e["end_s"].max() - min(0.0, e["start_s"].min())
     for y, lane in enumerate(lanes):
         spans = e[e["lane"] == lane]
-        ax.broken_barh(list(zip(spans["start_s"] * 1e3, (spans["end_s"] - spans["start_s"]) * 1e3)),
-                       (y - 0.4, 0.8), facecolors=LANE_COLORS.get(lane, "0.6"), edgecolor="white", lw=0.4)
+        # no white edges: at this scale they would hide a GPU lane's short spans
+        ax.broken_barh(list(zip(spans["start_s"] * 1e3,
+                                np.maximum((spans["end_s"] - spans["start_s"]) * 1e3, width * 1e3 * 0.002))),
+                       (y - 0.42, 0.84), facecolors=LANE_COLORS.get(lane, "0.6"), edgecolor="none")
         for _, s in spans.iterrows():
             if s["end_s"] - s["start_s"] > 0.03 * width:
                 ax.text((s["start_s"] + s["end_s"]) * 500, y, str(s["subgroup"]), ha="center",
@@ -177,7 +184,10 @@ def timeline(events: pd.DataFrame, row, step: Optional[int] = None, note: str = 
     ax.set_yticks(range(len(lanes)), [LANE_NAMES.get(x, x) for x in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("time from the start of opt.step() (ms)")
-    ax.set_title(f"{label(row['key'])} {row['model']}: {_plan_label(row)}, step {step}", fontsize=9)
+    cap = row.get("gpu_mem_cap_gib")
+    where = f"GPU capped at {cap:g} GiB" if pd.notna(cap) else "whole GPU"
+    ax.set_title(f"{label(row['key'])}, {row['model']}, {where}: {_plan_label(row)}, step {step}\n"
+                 "the GPU lanes update every k-th subgroup while the CPU updates the rest", fontsize=9)
     ax.legend(loc="lower right", fontsize=7)
     caption(fig, pd.DataFrame([row]), note)
     return fig
@@ -234,7 +244,8 @@ def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
         ax.set_xticks(range(1, top + 2), [str(k) for k in range(1, top + 1)] + ["all\nCPU"])
         ax.set(xlabel="update stride k (every k-th subgroup on the GPU)", ylabel="update phase (s)",
                title=panel)
-        ax.set_ylim(0, None)
+        ax.set_ylim(0, 1.12 * np.nanmax(np.r_[m["step_s"].to_numpy(float), m["predicted_s"].to_numpy(float)]))
+        ax.set_xlim(0.4, top + 1.6)  # room for every marker, the all-CPU and auto points included
         ax.legend(fontsize=7)
     computed = d["predicted_src"].eq("computed") & d["predicted_s"].notna()
     why = "predicted: recorded by each run"
