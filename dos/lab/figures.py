@@ -200,6 +200,8 @@ def strip_timestamps(path) -> None:
         if key in pm_meta:
             pm_meta[key] = R.relative(pm_meta[key])
     for cell in nb.cells:
+        if "injected-parameters" in cell.metadata.get("tags", []):
+            cell["id"] = "injected-parameters"  # papermill gives it a random id
         cell.metadata.pop("execution", None)
         for key in ("start_time", "end_time", "duration"):
             cell.metadata.get("papermill", {}).pop(key, None)
