@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--figures", default="figures", help="where the PNG/SVG go (default figures/)")
         q.add_argument("--executed", help="where the executed notebooks go (default: beside the "
                                           "records each plots, <records>/notebooks/)")
+        q.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --rerun/--smoke: run only the sweep runs whose field KEY equals VALUE "
+                            "or one of a [list] (repeatable; each notebook's WHERE parameter)")
     return p
 
 
@@ -90,7 +93,7 @@ def _figures(args) -> int:
         print("error: --rerun and --smoke exclude each other", file=sys.stderr)
         return 2
     mode = "rerun" if rerun else "smoke" if args.smoke else "replot"
-    return figures.main(mode, args.only, args.figures, args.executed)
+    return figures.main(mode, args.only, args.figures, args.executed, args.where)
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,9 @@ literal-only `parameters` cell (papermill injects values after it):
   an `ok` row yet, the smoke records under SMOKE_RESULTS (the caption then says so).
 - RERUN=True: first run SWEEP into the first RESULTS directory (a list of sweeps: each into the
   RESULTS directory at its position) on a GPU machine; a sweep runs only the configurations missing
-  there, so move that directory away to measure afresh. Then plot.
+  there, so move that directory away to measure afresh; WHERE (a list of "KEY=VALUE" strings, as
+  `python -m dos sweep --where`: `["model=1.3B", "system=[dos,torch-gpu]"]`) restricts it to a
+  subset. Then plot.
 - SMOKE=True: first run SMOKE_SWEEP (tiny model, CPU) into SMOKE_RESULTS, then plot that.
 
 `python -m dos run` executes every notebook with papermill; each writes figures/NN-name.png and
@@ -45,22 +47,46 @@ def plotted(results, smoke_results=None, smoke: bool = False, rerun: bool = Fals
     return [R.resolve(smoke_results)]
 
 
-def run_sweep(sweep, out) -> dict:
-    """Run the sweep file `sweep` into `out` (resumable), with a progress bar."""
-    from dos.lab import sweep as sw
+def where_pairs(where) -> dict:
+    """WHERE (a list of "KEY=VALUE" strings, as `python -m dos sweep --where`) -> {KEY: value}."""
+    import yaml
 
-    return sw.run(sw.load(R.resolve(sweep)), R.resolve(out), progress=True)
+    out = {}
+    for pair in [where] if isinstance(where, str) else list(where or ()):
+        if "=" not in pair:
+            raise ValueError(f"WHERE: expected KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v) if v.strip() else None
+    return out
+
+
+def run_sweep(sweep, out, where=()) -> dict:
+    """Run the sweep file `sweep` into `out` (resumable), with a progress bar; `where` restricts it
+    to the runs whose fields match (KEY=VALUE strings; VALUE may be a [list])."""
+    from dos.lab import sweep as sw
+    from dos.lab.bench.spec import ConfigError
+
+    s = sw.load(R.resolve(sweep))
+    pairs = where_pairs(where)
+    if pairs:
+        try:
+            s.runs = sw.select(s.runs, pairs)
+        except ConfigError as e:  # this sweep of several has none of the subset: nothing to run
+            print(f"{R.relative(R.resolve(sweep))}: {e}; skipped", file=sys.stderr)
+            return {}
+    return sw.run(s, R.resolve(out), progress=True)
 
 
 def prepare(results, smoke_results=None, sweep=None, smoke_sweep=None, rerun: bool = False,
-            smoke: bool = False) -> List[Path]:
-    """Run the notebook's sweep if its mode asks for it; return the directories to plot."""
+            smoke: bool = False, where=()) -> List[Path]:
+    """Run the notebook's sweep if its mode asks for it (only the runs matching `where`, a list of
+    KEY=VALUE strings, when given); return the directories to plot."""
     if smoke:
-        run_sweep(smoke_sweep, smoke_results)
+        run_sweep(smoke_sweep, smoke_results, where)
     elif rerun:
         sweeps = [sweep] if isinstance(sweep, (str, Path)) else list(sweep)
         for path, out in zip(sweeps, R.as_paths(results)):
-            run_sweep(path, out)
+            run_sweep(path, out, where)
     return plotted(results, smoke_results, smoke=smoke, rerun=rerun)
 
 
@@ -149,10 +175,37 @@ def execute(path, mode: str = "replot", figures: str = "figures", executed: Opti
         out_dir = (first.parent if first.is_file() else first) / "notebooks"
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = out_dir / path.name
-    pm.execute_notebook(str(path), str(dest), parameters=params, kernel_name="python3",
-                        cwd=str(R.repo_root()), progress_bar=False, log_output=log_output,
-                        extra_arguments=["--log-level=ERROR"])  # the kernel's TCP notice: noise
+    try:
+        pm.execute_notebook(str(path), str(dest), parameters=params, kernel_name="python3",
+                            cwd=str(R.repo_root()), progress_bar=False, log_output=log_output,
+                            extra_arguments=["--log-level=ERROR"])  # the kernel's TCP notice: noise
+    finally:
+        if dest.exists():
+            strip_timestamps(dest)
     return dest
+
+
+def strip_timestamps(path) -> None:
+    """Make an executed notebook depend on its inputs only: papermill's and the kernel's clock
+    (start/end times, durations, execution timestamps) and this checkout's absolute paths go, so
+    that replotting unchanged records leaves the kept copies byte-identical."""
+    import nbformat
+
+    path = Path(path)
+    nb = nbformat.read(str(path), as_version=4)
+    pm_meta = nb.metadata.get("papermill", {})
+    for key in ("start_time", "end_time", "duration"):
+        pm_meta.pop(key, None)
+    for key in ("input_path", "output_path"):
+        if key in pm_meta:
+            pm_meta[key] = R.relative(pm_meta[key])
+    for cell in nb.cells:
+        if "injected-parameters" in cell.metadata.get("tags", []):
+            cell["id"] = "injected-parameters"  # papermill gives it a random id
+        cell.metadata.pop("execution", None)
+        for key in ("start_time", "end_time", "duration"):
+            cell.metadata.get("papermill", {}).pop(key, None)
+    nbformat.write(nb, str(path))
 
 
 def run_all(mode: str = "replot", only=None, figures: str = "figures", executed: Optional[str] = None,
@@ -186,27 +239,41 @@ def run_all(mode: str = "replot", only=None, figures: str = "figures", executed:
 
 def results_table(root="experiments/results") -> str:
     """Markdown: every system in its default configuration, per model, from the GPU rows
-    (status ok) of every runs.csv under `root`."""
+    (status ok) of every runs.csv under `root`; then the runs under a GPU memory cap (the paper's
+    regime), one per system and setting (plots.one_per_point: the rule figure 9 plots by)."""
+    import numpy as np
+    import pandas as pd
+
+    from dos.lab.plots import one_per_point
+
     dirs = sorted(p.parent for p in R.resolve(root).glob("*/runs.csv"))
     df = R.rows(dirs)
-    df = R.headline(df[~df["smoke"] & df["gpu_name"].fillna("").ne("")])
+    df = df[~df["smoke"] & df["gpu_name"].fillna("").ne("")]
+    capped = df[df.index.isin(R.defaults_only(df.assign(gpu_mem_cap_gib=np.nan)).index)
+                & df["gpu_mem_cap_gib"].notna()]
+    capped = one_per_point(capped, by=("key", "model", "gpu_mem_cap_gib", "ratio", "gpu_fraction"))
+    rank = {k: i for i, k in enumerate(R.ORDER)}
+    capped = capped.assign(_r=capped["key"].map(lambda k: rank.get(k, len(R.ORDER)))).sort_values(
+        ["n_params", "gpu_mem_cap_gib", "_r", "ratio"]).drop(columns="_r")
+    df = pd.concat([R.headline(df), capped])
     lines = [f"<!-- generated by `python -m dos run` from {root}/*/runs.csv; do not edit -->",
-             "", "| model | system | s/iter | fwd / bwd / update (s) | tokens/s | vs DeepSpeed ZeRO-3 + CPU optimizer offload "
-             "| peak GPU (GiB) | peak host (GiB) | GPU | date | records |",
-             "|---|---|---:|---|---:|---:|---:|---:|---|---|---|"]
-    for model, g in df.groupby("model", sort=False):
+             "", "| model | GPU cap | micro-batch | system | s/iter | fwd / bwd / update (s) | tokens/s "
+             "| vs DeepSpeed ZeRO-3 + CPU optimizer offload | peak GPU (GiB) | peak host (GiB) | GPU | date | records |",
+             "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---|---|---|"]
+    for (model, cap), g in df.groupby(["model", df["gpu_mem_cap_gib"].fillna(0)], sort=False):
         ref = g[g["key"] == "deepspeed-zero-offload"]
         for _, r in g.iterrows():
             # a ratio only side by side: the same sweep (one device call, one machine)
             same = ref[ref["results_dir"] == r["results_dir"]]["iter_s"]
             speed = f"{same.iloc[0] / r['iter_s']:.2f}x" if len(same) else ""
             lines.append(
-                f"| {model} | {_system(r)} | {r['iter_s']:.3f} | {r['fwd_s']:.2f} / {r['bwd_s']:.2f} / "
+                f"| {model} | {f'{cap:g} GiB' if cap else 'none'} | {int(r['micro_batch'])} | {_system(r)} | "
+                f"{r['iter_s']:.3f} | {r['fwd_s']:.2f} / {r['bwd_s']:.2f} / "
                 f"{r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {speed} | {_num(r['peak_gpu_gib'])} | "
                 f"{_num(r['peak_host_gib'])} | {r['gpu_name']} | {r['date']} | "
                 f"{Path(r['results_dir']).name}/{r['run_id']} |")
     if not len(df):
-        lines.append("| (no GPU records yet) |||||||||||")
+        lines.append("| (no GPU records yet) |||||||||||||")
     return "\n".join(lines) + "\n"
 
 
@@ -247,12 +314,14 @@ def write_results_table(path, readme="README.md") -> Path:
     return path
 
 
-def main(mode: str = "replot", only=None, figures: str = "figures", executed: Optional[str] = None) -> int:
-    """`python -m dos run`: every figure and the results table; exit status 1 if a notebook failed."""
+def main(mode: str = "replot", only=None, figures: str = "figures", executed: Optional[str] = None,
+         where=()) -> int:
+    """`python -m dos run`: every figure and the results table; exit status 1 if a notebook failed.
+    `where` (KEY=VALUE strings) becomes each notebook's WHERE: its sweep runs only those runs."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
-    failed = run_all(mode, only, figures, executed)
+    failed = run_all(mode, only, figures, executed, overrides={"WHERE": list(where)} if where else None)
     print(f"figures: {len(notebooks(only)) - failed} notebooks ok, {failed} failed "
           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 1 if failed else 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import FuncFormatter, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -22,10 +22,10 @@ PALETTE = {
     "dos-interleaved": "#1f5fbf",
     "dos-auto": "#17a5b8",
     "dos-static": "#2ca02c",
-    "dos-cpu": "#8fb9e3",
+    "dos-cpu": "#8c8c00",
     "dos-gpu": "#0b2a5b",
     "dos-interleaved-overlap": "#5a3fc0",
-    "dos-cpu-overlap": "#7fa6d9",
+    "dos-cpu-overlap": "#c9b800",
     "dos-auto-overlap": "#0e7f8f",
     "torch-gpu": "#6e6e6e",
     "torch-cpu": "#b5b5b5",
@@ -49,14 +49,14 @@ LABELS = {
     "dos-auto-overlap": "dos auto, overlapped with backward",
     "torch-gpu": "torch, no offload",
     "torch-cpu": "torch (CPU device)",
-    # Issue 16: name what ran. The key deepspeed-zero-offload (older records) is stage 3, not the
-    # original ZeRO-Offload (stage 2: deepspeed-zero2-offload).
+    # Name what ran. The key deepspeed-zero-offload (older records) is stage 3, not the original
+    # ZeRO-Offload (stage 2: deepspeed-zero2-offload).
     "deepspeed-zero-offload": "DeepSpeed ZeRO-3 + CPU optimizer offload",
     "deepspeed-zero3-offload": "DeepSpeed ZeRO-3 + CPU optimizer offload, tuned for one GPU",
-    "deepspeed-zero2-offload": "DeepSpeed ZeRO-2 offload (ZeRO-Offload)",
-    "deepspeed-zero2-offload-bf16": "DeepSpeed ZeRO-2 offload, bf16 master and states",
-    "deepspeed-twinflow": "DeepSpeed ZeRO-3 TwinFlow",
-    "deepspeed-superoffload": "DeepSpeed ZeRO-3 SuperOffload",
+    "deepspeed-zero2-offload": "DeepSpeed ZeRO-2 + CPU optimizer offload",
+    "deepspeed-zero2-offload-bf16": "DeepSpeed ZeRO-2 + CPU optimizer offload, bf16 master and states",
+    "deepspeed-twinflow": "DeepSpeed TwinFlow (ZeRO-3, partial offload)",
+    "deepspeed-superoffload": "DeepSpeed SuperOffload (ZeRO-3)",
     "deepspeed-zero3": "DeepSpeed ZeRO-3, no offload",
     "torchao-cpu-offload": "torchao CPUOffloadOptimizer",
 }
@@ -112,10 +112,13 @@ def save(fig, out_dir, name: str) -> list:
     out = R.resolve(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for ext, kw in (("png", {"metadata": {"Software": None}}), ("svg", {"metadata": {"Date": None}})):
-        path = out / f"{name}.{ext}"
-        fig.savefig(path, bbox_inches="tight", **kw)
-        paths.append(R.relative(path))
+    # Same records, same bytes: fixed SVG ids (hash salt), glyphs as paths, no dates or versions.
+    with plt.rc_context({"svg.hashsalt": "dos", "svg.fonttype": "path"}):
+        for ext, kw in (("png", {"metadata": {"Software": None}}),
+                        ("svg", {"metadata": {"Date": None, "Creator": None}})):
+            path = out / f"{name}.{ext}"
+            fig.savefig(path, bbox_inches="tight", **kw)
+            paths.append(R.relative(path))
     return paths
 
 
@@ -196,8 +199,20 @@ def scaling(df: pd.DataFrame, note: str = ""):
         ax.set_xticks(sorted(d["params_b"].unique()), [f"{x:.2g}" for x in sorted(d["params_b"].unique())])
         ax.xaxis.set_minor_formatter(NullFormatter())
     _speedups(axes[0, 0], d)
+    if len(d):
+        axes[0, 0].set_yscale("log")
+        axes[0, 0].yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        plain_log(axes[0, 0])
     axes[0, 1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    caption(fig, d, note)
+    fig.suptitle("dos keeps most of no offload's speed as the model grows; DeepSpeed's offload falls "
+                 "far behind", fontsize=10, fontweight="bold")
+    # Each size comes from its own device call: say which, so that no one compares across them
+    # more than the calls allow (no offload at 1.3B ran two days before 3B, on an older build).
+    calls = "; ".join(f"{m}: {', '.join(sorted(g['results_dir'].map(lambda x: x.rstrip('/').split('/')[-1]).unique()))} "
+                      f"({', '.join(sorted(g['date'].unique()))})" for m, g in d.groupby("model", sort=False))
+    caption(fig, d, note or f"one sequence of 2048 tokens per step at every size; each size from its own "
+                            f"device calls ({calls}): compare systems within a size; across sizes the "
+                            f"calls differ (no offload's 1.3B row is the older one)")
     return fig
 
 
@@ -208,8 +223,9 @@ def _speedups(ax, d: pd.DataFrame, ours: str = "dos-interleaved", ref: str = "de
         if a.loc[model, "results_dir"] != b.loc[model, "results_dir"]:
             continue  # a ratio only side by side: the same sweep (one device call, one machine)
         s = b.loc[model, "iter_s"] / a.loc[model, "iter_s"]
-        ax.annotate(f"{label(ours)}\n{s:.1f}x faster", (b.loc[model, "params_b"], b.loc[model, "iter_s"]),
-                    textcoords="offset points", xytext=(8, -6), fontsize=7, color=PALETTE[ours])
+        ax.annotate(f"dos interleaved {s:.1f}x faster\nthan ZeRO-3 + CPU offload",
+                    (b.loc[model, "params_b"], b.loc[model, "iter_s"]),
+                    textcoords="offset points", xytext=(6, -14), ha="left", fontsize=7, color=PALETTE[ours])
 
 
 # ---------------------------------------------------------------- figure 7
@@ -225,8 +241,10 @@ def microbatch(df: pd.DataFrame, failed: Optional[pd.DataFrame] = None, note: st
     for key in keys_in(d):
         k = d[d["key"] == key].groupby("micro_batch", as_index=False)
         k = k[["tokens_per_s", "update_share"]].median()
+        ls, mfc = ("--", "white") if key.endswith("-overlap") else ("-", PALETTE.get(key))
         for ax, col in ((ax_t, "tokens_per_s"), (ax_s, "update_share")):
-            ax.plot(k["micro_batch"], k[col], "o-", color=PALETTE.get(key), label=label(key), ms=5)
+            ax.plot(k["micro_batch"], k[col], "o", ls=ls, color=PALETTE.get(key), mfc=mfc,
+                    label=label(key), ms=5)
     if failed is not None and len(failed):
         oom = failed[failed["status"] == "oom"]
         for i, key in enumerate(keys_in(oom)):
@@ -243,7 +261,13 @@ def microbatch(df: pd.DataFrame, failed: Optional[pd.DataFrame] = None, note: st
     ax_s.set_ylabel("update phase / iteration time")
     ax_s.set_ylim(0, 1)
     ax_t.legend(fontsize=7)
-    caption(fig, d, note)
+    if len(d):
+        models = ", ".join(_models(d))
+        cap = d["gpu_mem_cap_gib"].dropna()
+        fig.suptitle(f"{models}{f', GPU capped at {cap.max():g} GiB' if len(cap) else ', whole GPU'}: "
+                     "a larger micro-batch hides dos' update phase; overlapped with backward it nears "
+                     "no offload", fontsize=10, fontweight="bold")
+    caption(fig, d, note or "dashed, hollow: the CPU lane overlapped with backward (overlap_backward=True)")
     return fig
 
 
@@ -282,36 +306,96 @@ FAMILIES = {"dos-static": ("dos-gpu", "dos-static", "dos-cpu"),
 """Figure 9's sweeps: a static share from all-GPU to all-CPU, drawn as one line per family."""
 
 
-def ratio_sweep(df: pd.DataFrame, note: str = ""):
-    """Fig. 9: iteration time and peak GPU memory against the share of the optimizer state in host
-    memory: DeepSpeed TwinFlow ratios (ZeRO-3 at 0, ZeRO-Offload at 1) and dos static resident
-    shares (all-GPU at 0, all-CPU at 1); dos interleaved (all state in host memory, part of it
-    updated on the GPU) as a point and a dashed line."""
-    df = R.defaults_only(df)
-    models = _models(df) or ["-"]
-    fig, axes = figure(2, len(models), h=2.8, sharex=True)
-    for j, model in enumerate(models):
-        m = df[df["model"] == model]
-        for i, (col, ylabel) in enumerate((("iter_s", "time per iteration (s)"),
+MARKERS = {"deepspeed-zero-offload": "s", "deepspeed-superoffload": "D", "deepspeed-twinflow": "s",
+           "deepspeed-zero3": "s", "torch-gpu": "P"}
+
+
+def one_per_point(df: pd.DataFrame, by=("key", "model", "gpu_mem_cap_gib", "cpu_state_share"),
+                  side_by_side: str = "deepspeed-zero-offload") -> pd.DataFrame:
+    """One row per point, by the rule of the results table (`results.headline`): the row from the
+    results directory of the model's latest `side_by_side` run where there is one, else the latest.
+    The same configuration thus shows the same number in the figure and in the table."""
+    d = df.sort_values("timestamp")
+    base = d[d["key"] == side_by_side].groupby("model")["results_dir"].last()
+    d = d.assign(_side=[base.get(m) == r for m, r in zip(d["model"], d["results_dir"])])
+    return d.sort_values(["_side", "timestamp"]).drop_duplicates(list(by), keep="last").drop(columns="_side")
+
+
+def _panel_name(model: str, cap) -> str:
+    return f"{model}, GPU capped at {cap:g} GiB" if pd.notna(cap) else f"{model}, whole GPU"
+
+
+def ratio_sweep(df: pd.DataFrame, note: str = "", gpu_gib: Optional[float] = None):
+    """Fig. 9: iteration time (log) and peak GPU memory against the share of the optimizer state in
+    host memory, one column per model and GPU cap: every DeepSpeed TwinFlow ratio recorded
+    (ZeRO-3 at 0, ZeRO-Offload and SuperOffload at 1) and dos (all-GPU at 0, static shares, all-CPU,
+    interleaved and auto at ~1: all state in host memory, part of it updated on the GPU). Points at
+    the same share are set apart slightly (each keeps its own marker); dos auto's speed-up over the
+    fastest TwinFlow ratio is written where both ran under a cap (results.capped_check)."""
+    # defaults but for the cap: a capped panel is the paper's regime
+    d = df[df.index.isin(R.defaults_only(df.assign(gpu_mem_cap_gib=np.nan)).index)]
+    d = one_per_point(d)
+    panels = (d.assign(_n=d["n_params"]).sort_values(["_n", "gpu_mem_cap_gib"], na_position="first")
+              [["model", "gpu_mem_cap_gib"]].drop_duplicates().itertuples(index=False)) if len(d) else []
+    panels = list(panels) or [("-", np.nan)]
+    fig, axes = figure(2, len(panels), w=3.6, h=2.9, sharex=True)
+    for j, (model, cap) in enumerate(panels):
+        m = d[(d["model"] == model) & (d["gpu_mem_cap_gib"].isna() if pd.isna(cap) else d["gpu_mem_cap_gib"].eq(cap))]
+        keys = keys_in(m)
+        for i, (col, ylabel) in enumerate((("iter_s", "time per iteration (s, log)"),
                                            ("peak_gpu_gib", "peak GPU memory (GiB)"))):
             ax = axes[i, j]
             if not len(m):
                 empty(ax, "ratio sweep")
                 continue
             for family, members in FAMILIES.items():
-                f = m[m["key"].isin(members)].groupby("cpu_state_share", as_index=False)[col].median()
-                ax.plot(f["cpu_state_share"], f[col], "-", color=PALETTE[family], alpha=0.5, lw=1.2)
-            for key in keys_in(m):
-                k = m[m["key"] == key].groupby("cpu_state_share", as_index=False)[col].median()
-                ax.plot(k["cpu_state_share"], k[col], "o", color=PALETTE.get(key), ms=5.5)
-                if key == "dos-interleaved" and i == 0:
-                    ax.axhline(k[col].min(), color=PALETTE[key], ls="--", lw=1)
-            ax.set_ylabel(ylabel)
-        axes[0, j].set_title(model)
-        axes[-1, j].set_xlabel("optimizer state in host memory (share)")
-    handles = [plt.Line2D([], [], marker="o", ls="", color=PALETTE.get(k)) for k in keys_in(df)]
-    fig.legend(handles, [label(k) for k in keys_in(df)], loc="outside right center", fontsize=8)
-    caption(fig, df, note)
+                f = m[m["key"].isin(members)].sort_values("cpu_state_share")
+                ax.plot(f["cpu_state_share"], f[col], "-", color=PALETTE[family], alpha=0.45, lw=1.2)
+            # points at (nearly) the same share are spread over +-0.03 so none hides another
+            share = m["cpu_state_share"].round(1)
+            for key in keys:
+                k = m[m["key"] == key]
+                for _, r in k.iterrows():
+                    near = [x for x in keys if (share[m["key"] == x] == round(r["cpu_state_share"], 1)).any()]
+                    dx = 0.03 * (near.index(key) - (len(near) - 1) / 2) if len(near) > 1 else 0.0
+                    ax.plot(r["cpu_state_share"] + dx, r[col], MARKERS.get(key, "o"), color=PALETTE.get(key),
+                            ms=6, mec="white", mew=0.6, zorder=3)
+                    if key == "deepspeed-twinflow" and i == 0:
+                        ax.annotate(f"{r['ratio']:g}", (r["cpu_state_share"] + dx, r[col]), fontsize=6.5,
+                                    textcoords="offset points", xytext=(0, 5), ha="center",
+                                    color=PALETTE[key])
+            if i == 0:
+                ax.set_yscale("log")
+                ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+                plain_log(ax)
+                lo, hi = m[col].min(), m[col].max()
+                ax.set_ylim(lo / 1.4, hi * 1.6)
+            else:
+                top = max(m[col].max(), cap if pd.notna(cap) else 0)
+                ax.set_ylim(0, top * 1.15)
+                if pd.notna(cap):
+                    ax.axhline(cap, color="0.3", ls="--", lw=0.9)
+                    ax.text(0.5, cap, f"cap {cap:g} GiB", fontsize=7, va="bottom", color="0.3")
+            ax.set_xlim(-0.1, 1.12)
+            if j == 0:
+                ax.set_ylabel(ylabel)
+        axes[0, j].set_title(_panel_name(model, cap), fontsize=9)
+        if pd.notna(cap):
+            chk = R.capped_check(m)
+            if len(chk):
+                c = chk.iloc[0]
+                axes[0, j].text(0.03, 0.04, f"dos auto {c['iter_s']:.2f} s vs TwinFlow {c['best_ratio']:g} "
+                                f"{c['baseline_iter_s']:.2f} s:\n{1 / c['vs_baseline']:.1f}x faster",
+                                transform=axes[0, j].transAxes, fontsize=7, color=PALETTE["dos-auto"])
+    fig.supxlabel("optimizer state in host memory (share; DeepSpeed TwinFlow's ratio, 1 - dos' resident share)",
+                  fontsize=9)
+    fig.suptitle("At every share of the state in host memory dos is faster than DeepSpeed at the same "
+                 "GPU memory", fontsize=10, fontweight="bold")
+    keys = keys_in(d)
+    handles = [plt.Line2D([], [], marker=MARKERS.get(k, "o"), ls="", color=PALETTE.get(k), ms=6) for k in keys]
+    fig.legend(handles, [label(k) for k in keys], loc="outside right center", fontsize=8)
+    caption(fig, d, note or "TwinFlow's points are labelled with their ratio; points at one share are "
+                            "set apart by up to \u00b10.03 so that none hides another")
     return fig
 
 

@@ -63,10 +63,15 @@ def memory_trace(df: pd.DataFrame, keys: Sequence[str] = ("deepspeed-zero-offloa
                 ax.axvspan(m["start_s"] - t0, m["end_s"] - t0, color=PHASE_SHADE[m["phase"]][1], lw=0)
             for c, ls in zip(cols, ("-", ":")):
                 y = s[c].astype(float).where(s[c].astype(float) >= 0) * scale  # counter glitches < 0
-                ax.plot(s["t_s"] - t0, y.rolling(3, min_periods=1).mean(), ls, lw=1.1,
-                        color=PALETTE.get(row["key"]))
+                if c not in ("gpu_alloc_mib", "gpu_mem_used_mib"):  # memory unsmoothed: peaks stay
+                    y = y.rolling(3, min_periods=1).mean()
+                ax.plot(s["t_s"] - t0, y, ls, lw=1.1, color=PALETTE.get(row["key"]))
+            if cols == ("gpu_alloc_mib",) and pd.notna(row["peak_gpu_gib"]):
+                ax.axhline(row["peak_gpu_gib"], color="0.25", ls="--", lw=0.8)
+                ax.text(0.99, row["peak_gpu_gib"], f"peak allocated {row['peak_gpu_gib']:.1f} GiB",
+                        transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=7)
             axes[i, 0].set_ylabel(ylabel, fontsize=8)
-        axes[0, j].set_title(f"{label(row['key'])}, {row['model']}: {row['iter_s']:.2f} s/iteration, "
+        axes[0, j].set_title(f"{label(row['key'])}, {row['model']}\n{row['iter_s']:.2f} s/iteration, "
                              f"update {row['step_s']:.2f} s", fontsize=8.5)
         axes[-1, j].set_xlabel("time since the first measured iteration (s)")
     for ax in axes[:, 0]:
@@ -75,8 +80,8 @@ def memory_trace(df: pd.DataFrame, keys: Sequence[str] = ("deepspeed-zero-offloa
     fig.legend(handles=handles, loc="outside upper right", ncols=3)
     peaks = ", ".join(f"{label(r['key'])} {r['peak_gpu_gib']:.1f} GiB" for r, _, _ in traces
                       if pd.notna(r["peak_gpu_gib"]))
-    caption(fig, d, note or (f"NVML memory is what the caching allocator holds; peak allocated: {peaks}"
-                             if peaks else ""))
+    caption(fig, d, note or (f"NVML memory is what the caching allocator holds; peak allocated over the "
+                             f"whole run (dashed; torch.cuda.max_memory_allocated): {peaks}" if peaks else ""))
     return fig
 
 
@@ -152,7 +157,7 @@ def _rates(ax, calib) -> None:
 def timeline(events: pd.DataFrame, row, step: Optional[int] = None, note: str = ""):
     """Fig. 4: one update phase, per subgroup and lane (seconds from the start of `opt.step()`;
     negative: gradient copies during backward). Default step: the traced step of median span."""
-    fig, axes = figure(1, 1, w=9.0, h=3.4)
+    fig, axes = figure(1, 1, w=9.0, h=4.2)
     ax = axes[0, 0]
     if not len(events):
         empty(ax, "lane timeline (a dos run with trace on)")
@@ -166,8 +171,10 @@ def timeline(events: pd.DataFrame, row, step: Optional[int] = None, note: str = 
     width = e["end_s"].max() - min(0.0, e["start_s"].min())
     for y, lane in enumerate(lanes):
         spans = e[e["lane"] == lane]
-        ax.broken_barh(list(zip(spans["start_s"] * 1e3, (spans["end_s"] - spans["start_s"]) * 1e3)),
-                       (y - 0.4, 0.8), facecolors=LANE_COLORS.get(lane, "0.6"), edgecolor="white", lw=0.4)
+        # no white edges: at this scale they would hide a GPU lane's short spans
+        ax.broken_barh(list(zip(spans["start_s"] * 1e3,
+                                np.maximum((spans["end_s"] - spans["start_s"]) * 1e3, width * 1e3 * 0.002))),
+                       (y - 0.42, 0.84), facecolors=LANE_COLORS.get(lane, "0.6"), edgecolor="none")
         for _, s in spans.iterrows():
             if s["end_s"] - s["start_s"] > 0.03 * width:
                 ax.text((s["start_s"] + s["end_s"]) * 500, y, str(s["subgroup"]), ha="center",
@@ -177,7 +184,10 @@ def timeline(events: pd.DataFrame, row, step: Optional[int] = None, note: str = 
     ax.set_yticks(range(len(lanes)), [LANE_NAMES.get(x, x) for x in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("time from the start of opt.step() (ms)")
-    ax.set_title(f"{label(row['key'])} {row['model']}: {_plan_label(row)}, step {step}", fontsize=9)
+    cap = row.get("gpu_mem_cap_gib")
+    where = f"GPU capped at {cap:g} GiB" if pd.notna(cap) else "whole GPU"
+    ax.set_title(f"{label(row['key'])}, {row['model']}, {where}: {_plan_label(row)}, step {step}\n"
+                 "the GPU lanes update every k-th subgroup while the CPU updates the rest", fontsize=9)
     ax.legend(loc="lower right", fontsize=7)
     caption(fig, pd.DataFrame([row]), note)
     return fig
@@ -234,7 +244,8 @@ def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
         ax.set_xticks(range(1, top + 2), [str(k) for k in range(1, top + 1)] + ["all\nCPU"])
         ax.set(xlabel="update stride k (every k-th subgroup on the GPU)", ylabel="update phase (s)",
                title=panel)
-        ax.set_ylim(0, None)
+        ax.set_ylim(0, 1.12 * np.nanmax(np.r_[m["step_s"].to_numpy(float), m["predicted_s"].to_numpy(float)]))
+        ax.set_xlim(0.4, top + 1.6)  # room for every marker, the all-CPU and auto points included
         ax.legend(fontsize=7)
     computed = d["predicted_src"].eq("computed") & d["predicted_s"].notna()
     why = "predicted: recorded by each run"
@@ -248,30 +259,59 @@ def stride_sweep(dfp: pd.DataFrame, calibration: str = "", note: str = ""):
 
 # ---------------------------------------------------------------- figure 10
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
 def loss_curves(steps: pd.DataFrame, rows: pd.DataFrame, baseline: Sequence[str] = R.NO_OFFLOAD,
-                smooth: int = 10, note: str = ""):
-    """Fig. 10: training loss per step of every system on the same data, and each one's difference
-    to the no-offload baseline (same seed, same batches: an exact optimizer gives ~0)."""
-    fig, axes = figure(1, 2, w=4.6)
+                smooth: int = 10, window: int = 50, note: str = ""):
+    """Fig. 10: training loss per step of every system on the same data (left; the curves lie on
+    top of each other, so each has its own line style), and each one's per-step difference to the
+    no-offload baseline (right) inside the band of the loss's own step-to-step noise: the std of
+    consecutive baseline differences / sqrt 2 over a `window`-step rolling window (what one batch
+    moves the loss; results.convergence_check's noise). Same seed, same batches: an exact
+    optimizer stays well inside the band."""
+    fig, axes = figure(1, 2, w=4.8)
     a, b = axes[0]
     if not len(steps):
         empty(a, "loss curves (steps.csv)")
         caption(fig, rows, note)
         return fig
     base_key = R.baseline_key(steps["key"], baseline)
-    base = steps[steps["key"] == base_key].set_index("step")["loss"] if base_key else None
-    for key in keys_in(steps):
+    base = (steps[steps["key"] == base_key].drop_duplicates("step", keep="last").set_index("step")["loss"]
+            .sort_index() if base_key else None)
+    keys = ([base_key] if base_key else []) + [k for k in keys_in(steps) if k != base_key]
+    for i, key in enumerate(keys):
         s = steps[steps["key"] == key].sort_values("step")
-        a.plot(s["step"], s["loss"], color=PALETTE.get(key), alpha=0.25, lw=0.8)
+        lw, ls = (2.6, "-") if key == base_key else (1.4, LINESTYLES[1 + (i - 1) % 3])
         a.plot(s["step"], s["loss"].rolling(smooth, min_periods=1).mean(), color=PALETTE.get(key),
-               lw=1.5, label=label(key))
-        if base is not None and key != base_key:
-            diff = s.set_index("step")["loss"] - base
-            b.plot(diff.index, diff.values, color=PALETTE.get(key), lw=1, label=label(key))
-    a.set(xlabel="training step", ylabel=f"loss (nats/token; {smooth}-step mean)")
+               lw=lw, ls=ls, alpha=0.55 if key == base_key else 1.0, label=label(key))
+    a.set(xlabel="training step", ylabel=f"loss (nats/token; {smooth}-step mean)", yscale="log")
+    lo, hi = steps["loss"].min(), steps["loss"].max()
+    a.set_yticks([t for t in (2, 3, 4, 6, 8, 10, 12, 16) if lo * 0.9 <= t <= hi * 1.1] or [lo, hi])
+    plain_log(a)
     a.legend(fontsize=7)
-    b.axhline(0, color="0.3", lw=0.8)
-    b.set(xlabel="training step", ylabel=f"loss - {label(base_key) if base_key else 'baseline'} (nats)")
+    if base is not None:
+        noise = base.diff().rolling(window, min_periods=10, center=True).std() / 2 ** 0.5
+        b.fill_between(noise.index, -noise, noise, color="0.85", lw=0,
+                       label=f"\u00b1 loss noise (one batch; {window}-step window)")
+        b.axhline(0, color=PALETTE.get(base_key), lw=1.2)
+        for i, key in enumerate(k for k in keys if k != base_key):
+            d = (steps[steps["key"] == key].drop_duplicates("step", keep="last").set_index("step")["loss"]
+                 - base).dropna()
+            b.plot(d.index, d.values, color=PALETTE.get(key), lw=0.6, alpha=0.35)
+            b.plot(d.index, d.rolling(smooth, min_periods=1).mean(), color=PALETTE.get(key), lw=1.5,
+                   ls=LINESTYLES[1 + i % 3], label=f"{label(key)} ({smooth}-step mean)")
+        settled = noise[noise.index >= noise.index.min() + window]  # past the first steps' fall
+        lim = float(np.nanmax(settled.to_numpy())) * 1.25 if settled.notna().any() else None
+        if lim:
+            b.set_ylim(-lim, lim)
+        b.legend(fontsize=6.5, loc="lower left")
+    b.set(xlabel="training step",
+          ylabel=f"loss \u2212 {label(base_key) if base_key else 'baseline'} (nats)")
+    b.set_title("difference to no offload, inside the loss's own noise", fontsize=9)
+    model = rows["model"].iloc[0] if len(rows) else ""
+    a.set_title(f"{model}: the same loss curve with and without offload", fontsize=9)
     data = rows["data"].iloc[0] if len(rows) else ""
-    caption(fig, rows, note or f"data: {data} (same seed and batches for every system)")
+    caption(fig, rows, note or f"data: {data} (same seed and batches for every system); right: faint "
+            f"lines per step; the band is cut at the first {window} steps' fall, where it is wider")
     return fig
