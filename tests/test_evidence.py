@@ -171,8 +171,8 @@ def test_summary_ratios_within_one_batch_and_the_fastest_baseline_of_equal_preci
     assert h.loc["dos-interleaved", "vs_baseline"] == pytest.approx(0.375)
     assert h.loc["dos-interleaved", "range_s"] == "0.810-0.990"
     table = results.batch_table(df)
-    assert "| B1 | 3B | dos interleaved | fp32 | 3 | 0.900 | 0.810-0.990 | 0.38x DeepSpeed ZeRO-2 offload" in table
-    assert "| B1 | 3B | torchao CPUOffloadOptimizer | bf16 | 3 | 1.000 | 0.900-1.100 | 0.50x DeepSpeed ZeRO-2 offload, bf16" in table
+    assert "| B1 | 3B | dos interleaved | fp32 | 3 | 0.900 | 0.810-0.990 | 0.38x DeepSpeed ZeRO-2 + CPU optimizer offload" in table
+    assert "| B1 | 3B | torchao CPUOffloadOptimizer | bf16 | 3 | 1.000 | 0.900-1.100 | 0.50x DeepSpeed ZeRO-2 + CPU optimizer offload, bf16" in table
 
 
 def test_headline_check_pass_miss_and_empty(tmp_path):
