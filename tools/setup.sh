@@ -29,8 +29,11 @@ else
   cp constraints.txt "$VENV/constraints.txt"
 fi
 if [ -n "$offline" ]; then
-  echo "setup: offline, from $WHEELHOUSE/ (--no-index); extras $EXTRAS"
-  "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELHOUSE" -c "$VENV/constraints.txt" -e ".[$EXTRAS]"
+  echo "setup: offline, from $WHEELHOUSE/ (--no-index): its wheels, then dos without dependencies"
+  # The wheelhouse holds exactly what the environment lacks (tools/wheelhouse.py). No resolver run:
+  # pip cannot match a reused torch (seen through the .pth) against a pin with --no-index.
+  "$VENV/bin/python" -m pip install -q --no-index --no-deps "$WHEELHOUSE"/*.whl
+  "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 else
   echo "setup: from PyPI, extras $EXTRAS (about 1-2 min on a fresh machine; pip is quiet meanwhile)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
