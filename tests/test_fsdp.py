@@ -318,3 +318,25 @@ def test_plain_model_state_dict_through_distributed_checkpoint_api():
     set_optimizer_state_dict(c, opt2, osd)
     got = get_optimizer_state_dict(c, opt2)["state"]
     assert all(torch.equal(got[k][kind], saved[k][kind]) for k in saved for kind in saved[k])
+
+
+def test_example_script_trains_saves_and_resumes_on_another_world_size(tmp_path):
+    """examples/fsdp2_train.py under torchrun: 2 ranks train and save, 1 rank resumes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    ck = tmp_path / "ck"
+    outs = []
+    for n in (2, 1):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+             "--standalone", str(root / "examples" / "fsdp2_train.py"), "--steps", "6",
+             "--dim", "32", "--layers", "1", "--seq", "16", "--ckpt", str(ck)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outs.append(proc.stdout)
+    assert "2 ranks on cpu" in outs[0] and "saved" in outs[0]
+    assert "resumed from" in outs[1] and "at step 6" in outs[1] and "step   11" in outs[1]
