@@ -87,16 +87,22 @@ def available_host_bytes() -> Tuple[int, str]:
     return avail, src
 
 
-def preflight(required: int, n_params: int, limit_gib: Optional[float] = None) -> None:
-    """Raise HostMemoryError, with the numbers, if `required` bytes will not fit."""
-    if limit_gib is not None:
+def preflight(required: int, n_params: int, limit_gib: Optional[float] = None, *, ranks: int = 1,
+              avail: Optional[Tuple[int, str]] = None) -> None:
+    """Raise HostMemoryError, with the numbers, if `required` bytes will not fit. `ranks`: the
+    processes on this host that `required` and `n_params` add up (each needs its arena);
+    `avail`: (bytes, where the number comes from) measured by the caller."""
+    if avail is not None:
+        avail, src = avail
+    elif limit_gib is not None:
         avail, src = int(limit_gib * 2**30), "host_memory_limit_gib"
     else:
         avail, src = available_host_bytes()
     if required > avail:
+        who = f" on {ranks} ranks of this host" if ranks > 1 else ""
         raise HostMemoryError(
             f"dos needs {required / 2**30:.2f} GiB of host memory for the optimizer state of "
-            f"{n_params:,} parameters ({required / max(1, n_params):.2f} B/param), but only "
+            f"{n_params:,} parameters{who} ({required / max(1, n_params):.2f} B/param), but only "
             f"{avail / 2**30:.2f} GiB is available ({src}). Keep more state on the GPU "
             f"(gpu_fraction / placement='gpu'), or set DOS_HOST_MEMORY_GIB if the machine "
             f"reports too little.")

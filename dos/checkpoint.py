@@ -5,9 +5,18 @@
 the master. Tensors are views of the live state where a parameter lies in one subgroup (no copy of
 a 7B model's state to save it); a parameter spanning subgroups is gathered into a new tensor.
 A state_dict therefore loads into a dos optimizer of any placement or subgroup size.
+
+DTensor (FSDP2) parameters: each tensor is a DTensor sharded as its parameter, over this rank's
+local shard (`opt.binding.like`), so `torch.distributed.checkpoint` saves and loads it sharded and
+the state dict is `get_optimizer_state_dict` / `set_optimizer_state_dict` compatible (these key it
+by parameter FQN). `opt.state` (`LiveState`) maps each parameter to the same entry, read from the
+live storage, as torch's optimizers do (DCP's `_init_optim_state` takes an empty `opt.state` for
+an optimizer that has never stepped).
 """
 from __future__ import annotations
 
+import weakref
+from collections.abc import Mapping
 from typing import Dict, List, Tuple
 
 import torch
@@ -48,25 +57,57 @@ def _param_index(opt) -> Dict[Tuple[int, int], Tuple[int, int]]:
     return out
 
 
+def param_state(opt, slot: ParamSlot, p: torch.Tensor, step: int) -> dict:
+    """Parameter p's entry, as torch's AdamW has it (the caller waited for the host state)."""
+    entry = {"step": torch.tensor(float(step))}
+    for k, kind in enumerate(KINDS):
+        if kind == "master" and p.dtype == torch.float32:
+            continue
+        pieces = _pieces(opt, slot, k)
+        if len(pieces) == 1:
+            flat = pieces[0]
+        else:
+            flat = torch.cat([x.cpu() for x in pieces]) if pieces else torch.zeros(0)
+        entry[kind] = opt.binding.like(p, flat)
+    return entry
+
+
+class LiveState(Mapping):
+    """`opt.state`: parameter -> its entry (`param_state`), built from the live storage at each
+    access; parameters of groups that have not stepped have none (as torch). Holds the optimizer
+    weakly (no reference cycle keeps its pinned memory alive)."""
+
+    def __init__(self, opt):
+        self._opt = weakref.ref(opt)
+
+    def _slots(self) -> dict:
+        opt = self._opt()
+        if opt is None or not getattr(opt, "_ready", False):
+            return {}
+        steps = opt.group_steps
+        return {p: slot for slot, p in opt.param_slots().items() if steps[slot.group] > 0}
+
+    def __getitem__(self, p):
+        slot = self._slots()[p]
+        opt = self._opt()
+        opt.wait_host_state()
+        return param_state(opt, slot, p, opt.group_steps[slot.group])
+
+    def __iter__(self):
+        return iter(self._slots())
+
+    def __len__(self) -> int:
+        return len(self._slots())
+
+
 def state_dict(opt) -> dict:
     opt.wait_host_state()
     index = _param_index(opt)
     state, steps = {}, opt.group_steps
     for slot, p in opt.param_slots().items():
-        step = steps[slot.group]
-        if step == 0:
+        if steps[slot.group] == 0:
             continue  # as torch: no state before the first step
-        entry = {"step": torch.tensor(float(step))}
-        for k, kind in enumerate(KINDS):
-            if kind == "master" and p.dtype == torch.float32:
-                continue
-            pieces = _pieces(opt, slot, k)
-            if len(pieces) == 1:
-                flat = pieces[0]
-            else:
-                flat = torch.cat([x.cpu() for x in pieces]) if pieces else torch.zeros(0)
-            entry[kind] = flat.view(p.shape)
-        state[index[(slot.group, slot.index)][0]] = entry
+        state[index[(slot.group, slot.index)][0]] = param_state(opt, slot, p, steps[slot.group])
     groups, i = [], 0
     for group in opt.param_groups:
         g = {k: v for k, v in group.items() if k != "params"}
@@ -74,6 +115,10 @@ def state_dict(opt) -> dict:
         i += len(group["params"])
         groups.append(g)
     return {"state": state, "param_groups": groups}
+
+
+def _key(k):
+    return int(k) if isinstance(k, int) or (isinstance(k, str) and k.isdigit()) else k
 
 
 def load_state_dict(opt, sd: dict) -> None:
@@ -86,11 +131,12 @@ def load_state_dict(opt, sd: dict) -> None:
             raise ValueError("loaded state dict contains a parameter group that doesn't match the "
                              "size of optimizer's group")
     index = _param_index(opt)
-    state = {int(k): v for k, v in sd["state"].items()}
+    # Keys: torch's parameter numbers, or parameter FQNs (set_optimizer_state_dict).
+    state = {_key(k): v for k, v in sd["state"].items()}
     opt.wait_host_state()
     steps = {}
     for slot, p in opt.param_slots().items():
-        key = groups[slot.group]["params"][index[(slot.group, slot.index)][1]]
+        key = _key(groups[slot.group]["params"][index[(slot.group, slot.index)][1]])
         entry = state.get(key)
         if entry is None:
             steps.setdefault(slot.group, set()).add(0)
@@ -103,7 +149,7 @@ def load_state_dict(opt, sd: dict) -> None:
             if src.numel() != p.numel():
                 raise ValueError(f"state '{kind}' of parameter {key} has {src.numel()} elements, "
                                  f"the parameter has {p.numel()}")
-            flat, at = src.reshape(-1), 0
+            flat, at = opt.binding.local_of(p, src).reshape(-1), 0
             for piece in _pieces(opt, slot, k):
                 piece.copy_(flat[at: at + piece.numel()])
                 at += piece.numel()

@@ -51,7 +51,8 @@ class EngineConfig:
     max_grad_norm: Optional[float] = None
     """Clip the global L2 norm of all gradients to this value (None: no clipping)."""
     cpu_threads: Optional[int] = None
-    """Threads of the CPU update lane (None: every core this process may use)."""
+    """Threads of the CPU update lane (None: the cores this process may use, split evenly among the
+    job's processes on this host, LOCAL_WORLD_SIZE)."""
     staging_slots: int = 3
     """GPU staging buffers for interleaved subgroups (2: double buffering; 3: H2D, update and D2H
     of three subgroups overlap)."""

@@ -12,7 +12,8 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from . import adam, checkpoint
-from .buffers import DeviceBuffers, HostArena, arena_blocks, preflight, thirds
+from .binding import make_binding
+from .buffers import DeviceBuffers, HostArena, arena_blocks, thirds
 from .config import EngineConfig, validate_hparams
 from .cpu_lane import make_cpu_lane
 from .grads import GradRouter
@@ -51,17 +52,20 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             host_memory_limit_gib=host_memory_limit_gib, overlap_backward=overlap_backward)
         self._ready = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.state = checkpoint.LiveState(self)  # torch's `opt.state`, read from the live storage
         self._validate_groups()
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         device = _check_params(trainable)
-
-        self.layout = partition([[(p.numel(), str(p.dtype)) for p in ps] for ps in trainable],
-                                cfg.subgroup_numel)
+        # binding (FSDP2): plain parameters become views of the flat buffers; DTensor ones are copied
+        self.binding = binding = make_binding([p for ps in trainable for p in ps], overlap_backward)
+        self.layout = partition([[(binding.local(p).numel(), str(p.dtype)) for p in ps]
+                                 for ps in trainable], cfg.subgroup_numel)
         self._params = {slot: trainable[slot.group][slot.index] for slot in self.layout.slots()}
         dtypes = [trainable[b.slots[0].group][b.slots[0].index].dtype for b in self.layout.buckets]
-        self.planner = planner = Planner(cfg, self.layout, dtypes[0].itemsize, device)
+        self.planner = planner = Planner(cfg, self.layout, dtypes[0].itemsize, device,
+                                         local_ranks=binding.local_ranks())
         blocks, nbytes = arena_blocks(self.layout, planner.plan.lanes, [d.itemsize for d in dtypes])
-        preflight(nbytes, self.layout.n_params, cfg.host_memory_limit_gib)  # before any allocation
+        binding.preflight(nbytes, self.layout.n_params, cfg.host_memory_limit_gib)  # before any allocation
 
         self._sync = make_sync(device, timing=cfg.trace or planner.refining)
         self._tl = Timeline(self._sync, trace=cfg.trace, measure=planner.refining)
@@ -72,8 +76,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._host = HostArena(blocks, nbytes,
                                {s: dtypes[self.layout.subgroups[s].bucket] for s in blocks},
                                pin=cfg.pin_memory and device.type == "cuda")
-        self._adopt_params()
-        self._grads = GradRouter(self.layout, planner.plan.lanes, self._params, self._dev,
+        binding.adopt(self, self._params, self._dev)
+        self._grads = GradRouter(self.layout, planner.plan.lanes, binding.hooked(self._params), self._dev,
                                  self._host.grad, self._sync, self._tl)
         self._lanes = Lanes(self.layout, planner.plan, self._dev, self._host, self._grads, self._sync,
                             self._tl)
@@ -112,6 +116,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             flat = self._dev.params[slot.bucket][slot.offset: slot.offset + slot.numel]
             flat.copy_(p.detach().reshape(-1))
             p.data = flat.view(p.shape)
+        self._seed_master()
+
+    def _seed_master(self) -> None:
         for sg in self.layout.subgroups:
             thirds(self.state_storage(sg.index), sg.numel)[0].copy_(self._dev.param(self.layout, sg.index))
 
@@ -130,6 +137,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate_groups()
+        self.binding.before_update()  # binding (FSDP2): the local gradient shards come in
         hyper = self._hyper(1)
         self._cpu_lane.check_hyper(hyper)
         progress = self._cpu_lane.progress()  # where a lane started in backward stands now
@@ -139,6 +147,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.planner.before_step(step, progress, self._cpu_lane.starts_in_backward)
         scale_t, scale = self._clip_scale()
         self.last_overlapped = len(self._lanes.run(hyper, scale_t, scale, self._cpu_lane))
+        self.binding.after_update()  # binding (FSDP2): the weights go out to the local shards
         self._tl.finish()
         self.planner.after_step(step, self._cpu_lane.starts_in_backward)
         self._cpu_lane.after_step()
@@ -170,17 +179,15 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return None, 1.0
         # Every gradient is complete in the flat device buffers (CPU-lane ones are copies of them).
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._dev.grads])
-        total = torch.linalg.vector_norm(norms)
+        total = self.binding.total_norm(norms)  # binding (FSDP2): over every rank's shards
         scale_t = 1.0 / (self.config.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
         total_h, scale = torch.stack([total, scale_t]).tolist()  # one sync: the CPU lane needs it
         self.last_grad_norm = total_h
         return scale_t, scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # NOTE: deviation — gradients stay allocated (views of the flat buffers) and are zeroed,
-        # whatever `set_to_none` says.
         self._cpu_lane.require_idle("zero_grad()")
-        self._grads.zero_()
+        self.binding.zero_grad(self._grads, set_to_none)
 
     def state_dict(self) -> dict:
         self._cpu_lane.require_idle("state_dict()")

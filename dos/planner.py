@@ -29,11 +29,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cores_per_rank(local_ranks: int = 1) -> int:
+    """CPU-lane threads of one process when `local_ranks` processes of the job share this host's
+    cores (FSDP2 / DDP under torchrun): an equal split, never oversubscribed."""
+    return max(1, usable_cores() // max(1, local_ranks))
+
+
 class Planner:
-    def __init__(self, config: EngineConfig, layout: Layout, itemsize: int, device: torch.device):
+    def __init__(self, config: EngineConfig, layout: Layout, itemsize: int, device: torch.device,
+                 local_ranks: int = 1):
         self.config, self.layout = config, layout
         self._bytes = dict(grad_bytes=itemsize, param_bytes=itemsize)
-        self.max_threads = config.cpu_threads or usable_cores()
+        self.max_threads = config.cpu_threads or cores_per_rank(local_ranks)
         self.calibration = _calibration(device)
         calibrated = self.calibration is not None
         # Online refinement re-plans the stride and threads (stride="auto" only).
