@@ -690,3 +690,37 @@ def batch_table(df: pd.DataFrame, keys: Sequence[str] = ("dos-interleaved", "dos
             lines.append(f"| {batch} | {model} | {name} | {r['state_dtype']} | {r['runs']} | {r['median']:.3f} | "
                          f"{r['min']:.3f}-{r['max']:.3f} | {vs} |")
     return "\n".join(lines) + "\n"
+
+
+def core_ab_check(df: pd.DataFrame, old_suffix: str = "-core",
+                  metrics: Sequence[str] = ("step_s", "iter_s")) -> CheckTable:
+    """Two optimizer cores side by side (`structure-ab`: rows whose git_sha ends in `old_suffix`
+    ran the old core, the others the new one), per batch and configuration: the difference of the
+    two cores' median times against the run-to-run noise, measured as the larger of the two cores'
+    own ranges (max - min over its repeated runs). PASS when the difference is within that noise;
+    each core needs >= 2 runs of the configuration. The update phase (`step_s`) is the engine's own
+    time; the iteration (`iter_s`) adds forward and backward. Side by side = one machine without a
+    restart: rows are grouped by GPU UUID and host boot id (the batch ids of that boot listed: a
+    device call that resumes the A/B on a warm machine starts a new batch id)."""
+    _require(df, "core_ab_check")
+    df = df[df["status"].eq("ok")].copy() if "status" in df else df.copy()
+    df["core"] = df["git_sha"].astype(str).str.endswith(old_suffix).map({True: "old", False: "new"})
+    df["config"] = df["placement"].astype(str) + df["gpu_fraction"].astype(str).map(
+        lambda f: "" if f in ("", "0.0", "0", "nan", "None") else f", gpu_fraction {f}")
+    out = []
+    for (_, _, config), g in df.groupby(["gpu_uuid", "boot_id", "config"], sort=False):
+        batch = " + ".join(dict.fromkeys(g["batch_id"].astype(str)))
+        for m in metrics:
+            old = pd.to_numeric(g.loc[g["core"] == "old", m], errors="coerce").dropna()
+            new = pd.to_numeric(g.loc[g["core"] == "new", m], errors="coerce").dropna()
+            enough = len(old) >= 2 and len(new) >= 2
+            noise = max(old.max() - old.min(), new.max() - new.min()) if enough else float("nan")
+            diff = new.median() - old.median() if len(old) and len(new) else float("nan")
+            out.append(dict(batch_id=batch, config=config, metric=m, old_runs=len(old), new_runs=len(new),
+                            old_median=round(old.median(), 4) if len(old) else None,
+                            new_median=round(new.median(), 4) if len(new) else None,
+                            diff_pct=round(100 * diff / old.median(), 1) if len(old) and len(new) else None,
+                            noise_pct=round(100 * noise / old.median(), 1) if enough else None,
+                            target="|median new - median old| <= the larger within-core range (>= 2 runs each)",
+                            verdict=PASS if enough and abs(diff) <= noise else MISS))
+    return _check_table(out, ["batch_id", "config", "metric"])

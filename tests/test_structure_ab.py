@@ -1,0 +1,39 @@
+"""The core refactor's A/B on the H200 (experiments/results/structure-ab): the check and its verdicts."""
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dos.lab import results as R
+from dos.lab.bench import records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(old, new, config="cpu"):
+    rows = [dict(status="ok", git_sha="8d3adc6-core", placement=config, gpu_fraction="0.0", batch_id="B",
+                 gpu_uuid="GPU-1", boot_id="b", step_s=t, iter_s=t) for t in old]
+    rows += [dict(status="ok", git_sha="abc", placement=config, gpu_fraction="0.0", batch_id="B",
+                  gpu_uuid="GPU-1", boot_id="b", step_s=t, iter_s=t) for t in new]
+    return pd.DataFrame(rows)
+
+
+def test_core_ab_check_passes_within_noise_and_misses_beyond_it():
+    ok = R.core_ab_check(_rows([1.0, 1.1], [1.05, 1.08]), metrics=["step_s"])
+    assert ok.verdict == R.PASS and ok["noise_pct"].iloc[0] == 9.5  # 0.1 of the old median 1.05
+    shifted = R.core_ab_check(_rows([1.0, 1.02], [1.2, 1.21]), metrics=["step_s"])
+    assert shifted.verdict == R.MISS and shifted["diff_pct"].iloc[0] == pytest.approx(18.8, abs=0.1)
+    too_few = R.core_ab_check(_rows([1.0], [1.0, 1.0]), metrics=["step_s"])
+    assert too_few.verdict == R.MISS  # one run of a core: no noise to judge by
+    with pytest.raises(ValueError, match="empty"):
+        R.core_ab_check(pd.DataFrame())
+
+
+def test_the_refactored_core_updates_within_the_old_cores_noise_on_the_h200():
+    df = pd.DataFrame(records.read_rows(ROOT / "experiments/results/structure-ab/runs.csv"))
+    step = R.core_ab_check(df, metrics=["step_s"])
+    assert len(step) == 5 and step.verdict == R.PASS  # the update phase, every 3B dos row of `scaling`
+    it = R.core_ab_check(df, metrics=["iter_s"]).set_index("config")
+    # The one iteration-time miss: the refactored core's runs were faster (forward/backward).
+    assert list(it.index[it["verdict"] == R.MISS]) == ["interleaved"]
+    assert it.loc["interleaved", "diff_pct"] < 0
