@@ -9,6 +9,7 @@ refinement), the Planner only holds state and applies their answers.
 from __future__ import annotations
 
 import os
+import warnings
 from fractions import Fraction
 from typing import List, Optional
 
@@ -49,6 +50,10 @@ class Planner:
         # gpu_fraction="auto": the resident share is chosen at the first step, once the
         # iteration's peak GPU memory is known.
         self.sizing = config.gpu_fraction == "auto" and calibrated
+        if config.gpu_fraction == "auto" and not calibrated:
+            why = ("the parameters are not on a CUDA device" if device.type != "cuda" else
+                   "this machine has no calibration (run `python -m dos calibrate`)")
+            warnings.warn(f"dos: gpu_fraction='auto' keeps nothing resident: {why}", stacklevel=3)
         self._searched = self.calibration  # the rates the current plan was searched under
         self._searched_head_start = 0.0  # ... and the head start (overlap_backward)
         self.head_start_s = 0.0  # backward seconds the CPU lane overlaps (moving average)

@@ -685,3 +685,11 @@ def test_accumulate_is_a_no_op_without_overlap():
     train("odd", a, opt, 5, accum=2)
     train("odd", b, ref, 5, accum=2)
     assert max_diff(a, b) <= 1e-5 and opt.last_overlapped == 0
+
+
+def test_gpu_fraction_auto_says_when_it_keeps_nothing_resident():
+    """Without a CUDA device (or a calibration) gpu_fraction='auto' cannot size a resident share:
+    it says so instead of silently training all-offloaded."""
+    with pytest.warns(UserWarning, match="gpu_fraction='auto' keeps nothing resident: the parameters are not on a CUDA"):
+        opt = dos.DeepOptimizerStates(make_model("odd").parameters(), gpu_fraction="auto")
+    assert opt.plan.resident == ()
