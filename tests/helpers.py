@@ -163,3 +163,14 @@ def n_params(model) -> int:
 
 def ln(x):
     return math.log(x)
+
+
+# Every placement, as the client tests (test_clients.py, test_frameworks.py) run them.
+CLIENT_PLACEMENTS = [
+    dict(placement="cpu"),
+    dict(placement="interleaved", stride=1),
+    dict(placement="interleaved", stride=2),
+    dict(placement="static", gpu_fraction=0.5),
+    dict(placement="gpu"),
+]
+CLIENT_IDS = [",".join(f"{k}={v}" for k, v in p.items()) for p in CLIENT_PLACEMENTS]

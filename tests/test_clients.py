@@ -13,17 +13,10 @@ import torch
 import torch.nn as nn
 
 import dos
-from helpers import batch, loss_fn, make_model, max_diff
+from helpers import CLIENT_IDS, CLIENT_PLACEMENTS, batch, loss_fn, make_model, max_diff
 
 STEPS = 30
-PLACEMENTS = [
-    dict(placement="cpu"),
-    dict(placement="interleaved", stride=1),
-    dict(placement="interleaved", stride=2),
-    dict(placement="static", gpu_fraction=0.5),
-    dict(placement="gpu"),
-]
-IDS = [",".join(f"{k}={v}" for k, v in p.items()) for p in PLACEMENTS]
+PLACEMENTS, IDS = CLIENT_PLACEMENTS, CLIENT_IDS
 HP = dict(lr=3e-3, weight_decay=0.05)
 
 

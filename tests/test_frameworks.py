@@ -8,19 +8,13 @@ import pytest
 import torch
 
 import dos
+from helpers import CLIENT_IDS, CLIENT_PLACEMENTS
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 STEPS = 30
-PLACEMENTS = [
-    dict(placement="cpu"),
-    dict(placement="interleaved", stride=1),
-    dict(placement="interleaved", stride=2),
-    dict(placement="static", gpu_fraction=0.5),
-    dict(placement="gpu"),
-]
-IDS = [",".join(f"{k}={v}" for k, v in p.items()) for p in PLACEMENTS]
+PLACEMENTS, IDS = CLIENT_PLACEMENTS, CLIENT_IDS
 HP = dict(lr=2e-3, weight_decay=0.01)
 VOCAB = 64
 
