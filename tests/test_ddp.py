@@ -8,6 +8,7 @@ graph or not, and a bf16-compression communication hook. All cases run in one pa
 from __future__ import annotations
 
 import itertools
+import os
 from contextlib import nullcontext
 
 import pytest
@@ -115,6 +116,29 @@ def _matrix(tmp, placements, variants):
     return out
 
 
+def _preflight(tmp):
+    """Each DDP rank holds a full copy of the state: a host-memory limit that holds one arena but
+    not two fails on every rank, before anything is allocated; the CPU lane's threads are the
+    host's cores divided by its 2 ranks. The ranks on this host are found by their host names
+    (not torchrun's LOCAL_WORLD_SIZE, removed here)."""
+    os.environ.pop("LOCAL_WORLD_SIZE")
+    m = _ddp(VARIANTS[0])
+    opt = dos.DeepOptimizerStates(m.parameters(), placement="cpu", subgroup_numel=SUBGROUP)
+    threads, one = opt.plan.cpu_threads, opt.host_bytes
+    limit = 1.5 * one / 2**30
+    try:
+        dos.DeepOptimizerStates(m.parameters(), placement="cpu", subgroup_numel=SUBGROUP,
+                                host_memory_limit_gib=limit)
+        raised = ""
+    except dos.HostMemoryError as e:
+        raised = str(e)
+    fits = dos.DeepOptimizerStates(m.parameters(), placement="cpu", subgroup_numel=SUBGROUP,
+                                   host_memory_limit_gib=3 * limit)
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, (raised, threads, fits.host_bytes == one))
+    return {"ranks": flags, "cores": dos.planner.usable_cores()}
+
+
 # -- in pytest ---------------------------------------------------------------------------------
 def test_ddp_replicas_identical_and_equal_to_ddp_adamw(tmp_path):
     res = dist_helpers.spawn(_matrix, 2, tmp_path, list(PLACEMENTS), VARIANTS)
@@ -124,3 +148,10 @@ def test_ddp_replicas_identical_and_equal_to_ddp_adamw(tmp_path):
     assert len(res) == len(PLACEMENTS) * len(VARIANTS)
     bad = {c: r for c, r in res.items() if not r["ranks_bitwise"] or r["ref_diff"] > 1e-5}
     assert not bad, bad
+
+
+def test_ddp_host_memory_preflight_and_threads_count_every_local_rank(tmp_path):
+    res = dist_helpers.spawn(_preflight, 2, tmp_path)
+    for raised, threads, fits in res["ranks"]:
+        assert "on 2 ranks of this host" in raised and "host_memory_limit_gib" in raised, raised
+        assert threads == max(1, res["cores"] // 2) and fits
