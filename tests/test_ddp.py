@@ -23,7 +23,10 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 STEPS = 30
-LR = dict(lr=3e-3, weight_decay=0.05)
+# lr 1e-3, not test_fsdp's 3e-3: with the bf16 hook a 1-ulp difference between dos's AdamW
+# arithmetic and torch's can flip a gradient's bf16 rounding; at 3e-3 such flips grew to 1.1e-5 by
+# step 30 (no_sync + bf16 hook, the same on every placement, gpu included), at 1e-3 there are none.
+LR = dict(lr=1e-3, weight_decay=0.05)
 SUBGROUP = 97  # ~20 subgroups of the 1,919 parameters, most spanning parameters
 BUCKET_MB = 0.002  # ~4 DDP buckets: all-reduces start during backward, as on a real model
 PLACEMENTS = {
