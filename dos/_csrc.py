@@ -79,7 +79,8 @@ def _build_and_load() -> str:
 
     build.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    _log.info("dos: building the csrc extension in %s (once per torch version)", build)
+    # one line while the first step waits (~10-20 s): a warning, shown without logging configured
+    _log.warning("dos: compiling the CPU AdamW kernel (once per torch version, ~10-20 s) in %s", build)
     path = cpp_extension.load(name, [str(src / s) for s in _SOURCES], extra_cflags=_CFLAGS,
                               extra_ldflags=_LDFLAGS, build_directory=str(build),
                               is_python_module=False, verbose=False)

@@ -1,9 +1,10 @@
 """How the optimizer holds the model's parameters: one binding object, chosen at construction
 (`make_binding`), so that the engine never branches on the kind of parameter.
 
-`DirectBinding` — plain tensors (one process, or DDP): the parameters become views of dos's flat
-buffers (`DeepOptimizerStates._adopt_params`) and their `.grad` views of the flat gradient buffers,
-which the GradRouter's post-accumulate hooks watch during backward.
+`DirectBinding` — plain tensors (one process, or DDP): the parameters become aliases of dos's flat
+buffers and their `.grad` views of the flat gradient buffers, which the GradRouter's
+post-accumulate hooks watch during backward. Its `dos.params.ParamTracker` honours at `step()` what
+clients did in between (gradients clipped, assigned or None; weights loaded in place or replaced).
 
 `ShardBinding` — the DTensor parameters of an FSDP2 (`fully_shard`) model. Each rank offloads and
 updates its *local shards* with the same Plan machinery (the layout is made of the local shards'
@@ -13,7 +14,8 @@ in and copy out:
 - `before_update`: each local gradient shard (`p.grad.to_local()`: the reduce-scatter output, in
   the parameter's dtype whatever the MixedPrecisionPolicy's reduce dtype) is copied into dos's
   flat gradient buffer, as it is when `step()` runs (so gradients changed after backward count);
-  a parameter without a gradient counts as a zero gradient (as on the direct path);
+  a parameter without a gradient is skipped (no decay, no moment update, no step: as torch and
+  the direct path; `dos.params.StepCounts`);
 - `after_update`: the updated weights are copied from dos's flat parameter buffer into each
   `p.to_local()` in place, on the main stream after every lane's writes (the next all-gather reads
   them from there).
@@ -29,6 +31,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .buffers import available_host_bytes, preflight
+from .params import ParamTracker, StepCounts
 
 
 def _is_dtensor(t) -> bool:
@@ -59,7 +62,7 @@ def _distributed():
 
 
 class DirectBinding:
-    """The parameters are views of the flat buffers (one process, or each rank of DDP).
+    """The parameters are aliases of the flat buffers (one process, or each rank of DDP).
 
     Under torch.distributed (DDP: every rank holds the whole optimizer state) the ranks on this
     host share its memory and cores: the preflight counts every local rank's arena, and the CPU
@@ -110,26 +113,34 @@ class DirectBinding:
                   avail=min((x[3] for x in here), key=lambda a: a[0]))
 
     def adopt(self, opt, params, dev) -> None:
-        opt._adopt_params()
+        """Move the parameters into the flat buffers (each p.data an alias of its range) and seed
+        the fp32 master weights."""
+        self.track = ParamTracker(opt.layout, params, dev, opt._host)
+        for slot, p in params.items():
+            self.track.adopt(slot, p, dev.params[slot.bucket][slot.offset: slot.offset + slot.numel])
+        opt._seed_master()
 
     def hooked(self, params: Dict) -> Dict:
         """The parameters whose gradients the GradRouter routes during backward."""
         return params
 
-    def before_update(self) -> None:
-        pass
+    def attach(self, grads, lanes) -> None:
+        self.track.attach(grads, lanes)
+
+    def before_update(self, groups, cpu_lane) -> None:
+        """Adopt what clients changed since backward (dos.params)."""
+        self.track.before_step(groups, cpu_lane)
 
     def after_update(self) -> None:
-        pass
+        self.track.after_step()
 
     def total_norm(self, norms: torch.Tensor) -> torch.Tensor:
         """The global L2 norm from the per-bucket norms of this process."""
         return torch.linalg.vector_norm(norms)
 
-    def zero_grad(self, grads, set_to_none: bool) -> None:
-        # NOTE: deviation — gradients stay allocated (views of the flat buffers) and are zeroed,
-        # whatever `set_to_none` says.
-        grads.zero_()
+    def zero_grad(self, groups, set_to_none: bool) -> None:
+        """torch's semantics: None (the next backward's hook adopts the new gradient) or zeroed."""
+        self.track.zero_grad(groups, set_to_none)
 
 
 class ShardBinding(DirectBinding):
@@ -189,6 +200,10 @@ class ShardBinding(DirectBinding):
                 dev.params[slot.bucket][slot.offset: slot.offset + slot.numel].copy_(
                     self.local(p).reshape(-1))
         opt._seed_master()
+        self.track = StepCounts(opt.layout, params)
+
+    def attach(self, grads, lanes) -> None:
+        lanes.segments = self.track.segments
 
     def hooked(self, params: Dict) -> Dict:
         return {}  # gradients are copied in at step(), not routed during backward
@@ -196,17 +211,21 @@ class ShardBinding(DirectBinding):
     def _flat(self, bufs, slot) -> torch.Tensor:
         return bufs[slot.bucket][slot.offset: slot.offset + slot.numel]
 
-    def before_update(self) -> None:
+    def before_update(self, groups, cpu_lane) -> None:
+        active = set()
         for slot, p in self._params.items():
             dst = self._flat(self._dev.grads, slot)
             if p.grad is None:
-                dst.zero_()
+                dst.zero_()  # skipped; zero for the clipping norm
             else:
                 dst.copy_(self.local(p.grad).reshape(-1))
+                active.add(slot)
+        self.track.begin(active)
 
     def after_update(self) -> None:
         for slot, p in self._params.items():
             self.local(p).view(-1).copy_(self._flat(self._dev.params, slot))
+        self.track.after_step()
 
     def total_norm(self, norms: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -216,7 +235,7 @@ class ShardBinding(DirectBinding):
             dist.all_reduce(sq, group=group)
         return sq.sqrt()
 
-    def zero_grad(self, grads, set_to_none: bool) -> None:
+    def zero_grad(self, groups, set_to_none: bool) -> None:
         # FSDP assigns (or accumulates into) the sharded gradients; dos's buffers are copies.
         for p in self._params.values():
             if p.grad is not None:

@@ -21,6 +21,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from . import surface
 from .buffers import thirds
 from .partition import ParamSlot
 
@@ -43,17 +44,27 @@ def _pieces(opt, slot: ParamSlot, kind: int) -> List[torch.Tensor]:
             for s, a, n in _segments(opt, slot)]
 
 
+def _numbering(opt) -> Dict[int, int]:
+    """id(param) -> its index in torch's state_dict numbering: every position counts; a parameter
+    repeated inside a group takes its last position there (as torch.optim.Optimizer.state_dict)."""
+    out, start = {}, 0
+    for group in opt.param_groups:
+        out.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in out})
+        start += len(group["params"])
+    return out
+
+
 def _param_index(opt) -> Dict[Tuple[int, int], Tuple[int, int]]:
-    """(group, position among its trainable params) -> (index in torch's state_dict numbering,
-    position in the group's full parameter list)."""
-    out, i = {}, 0
+    """(group, position among its distinct trainable params) -> (index in torch's state_dict
+    numbering, position in the group's full parameter list)."""
+    out, number = {}, _numbering(opt)
     for g, group in enumerate(opt.param_groups):
-        k = 0
+        k, seen = 0, set()
         for pos, p in enumerate(group["params"]):
-            if p.requires_grad:
-                out[(g, k)] = (i, pos)
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out[(g, k)] = (number[id(p)], pos)
                 k += 1
-            i += 1
     return out
 
 
@@ -74,8 +85,10 @@ def param_state(opt, slot: ParamSlot, p: torch.Tensor, step: int) -> dict:
 
 class LiveState(Mapping):
     """`opt.state`: parameter -> its entry (`param_state`), built from the live storage at each
-    access; parameters of groups that have not stepped have none (as torch). Holds the optimizer
-    weakly (no reference cycle keeps its pinned memory alive)."""
+    access (tensors are views of it where a parameter lies in one subgroup: writing into them
+    changes the state); parameters that have not stepped (per-parameter steps: one never given a
+    gradient) have none, as torch. A parameter repeated in a group is one key. Holds the
+    optimizer weakly (no reference cycle keeps its pinned memory alive)."""
 
     def __init__(self, opt):
         self._opt = weakref.ref(opt)
@@ -84,14 +97,15 @@ class LiveState(Mapping):
         opt = self._opt()
         if opt is None or not getattr(opt, "_ready", False):
             return {}
-        steps = opt.group_steps
-        return {p: slot for slot, p in opt.param_slots().items() if steps[slot.group] > 0}
+        steps = opt.param_steps
+        return {p: slot for slot, p in opt.param_slots().items() if steps[slot] > 0}
 
     def __getitem__(self, p):
         slot = self._slots()[p]
         opt = self._opt()
+        opt.require_idle("opt.state")  # overlap_backward: not between backward and step()
         opt.wait_host_state()
-        return param_state(opt, slot, p, opt.group_steps[slot.group])
+        return param_state(opt, slot, p, opt.param_steps[slot])
 
     def __iter__(self):
         return iter(self._slots())
@@ -103,16 +117,15 @@ class LiveState(Mapping):
 def state_dict(opt) -> dict:
     opt.wait_host_state()
     index = _param_index(opt)
-    state, steps = {}, opt.group_steps
+    state, steps = {}, opt.param_steps  # per parameter, as torch's
     for slot, p in opt.param_slots().items():
-        if steps[slot.group] == 0:
-            continue  # as torch: no state before the first step
-        state[index[(slot.group, slot.index)][0]] = param_state(opt, slot, p, steps[slot.group])
-    groups, i = [], 0
+        if steps[slot] == 0:
+            continue  # as torch: no state before the parameter's first step
+        state[index[(slot.group, slot.index)][0]] = param_state(opt, slot, p, steps[slot])
+    groups, number = [], _numbering(opt)
     for group in opt.param_groups:
         g = {k: v for k, v in group.items() if k != "params"}
-        g["params"] = list(range(i, i + len(group["params"])))
-        i += len(group["params"])
+        g["params"] = [number[id(p)] for p in group["params"]]
         groups.append(g)
     return {"state": state, "param_groups": groups}
 
@@ -134,16 +147,20 @@ def load_state_dict(opt, sd: dict) -> None:
     # Keys: torch's parameter numbers, or parameter FQNs (set_optimizer_state_dict).
     state = {_key(k): v for k, v in sd["state"].items()}
     opt.wait_host_state()
-    steps = {}
+    steps, per_param = {}, opt.param_steps
     for slot, p in opt.param_slots().items():
         key = _key(groups[slot.group]["params"][index[(slot.group, slot.index)][1]])
         entry = state.get(key)
-        if entry is None:
-            steps.setdefault(slot.group, set()).add(0)
-            continue
-        steps.setdefault(slot.group, set()).add(int(float(entry["step"])))
+        if entry is None:  # no state (never stepped, as torch): moments zero, master = the weights
+            entry = {"step": 0, "exp_avg": torch.zeros(p.shape), "exp_avg_sq": torch.zeros(p.shape),
+                     "master": p.detach()}
+        per_param[slot] = int(float(entry["step"]))
+        steps.setdefault(slot.group, set()).add(per_param[slot])
         for k, kind in enumerate(KINDS):
             src = p.detach() if kind == "master" and p.dtype == torch.float32 else entry.get(kind)
+            if src is None and kind == "master":  # a torch AdamW state of a bf16 model
+                surface.missing_master(key)
+                src = p.detach()
             if src is None:
                 raise ValueError(f"state of parameter {key} lacks '{kind}'")
             if src.numel() != p.numel():
@@ -155,10 +172,7 @@ def load_state_dict(opt, sd: dict) -> None:
                 at += piece.numel()
     counts = opt.group_steps
     for g, found in steps.items():
-        if len(found) != 1:
-            raise ValueError(f"parameter group {g}: parameters at different steps {sorted(found)}; "
-                             "dos keeps one step count per group")
-        counts[g] = found.pop()
+        counts[g] = max(found)  # the group's step; each parameter's is in opt.param_steps
     opt.group_steps = counts
     for mine, theirs in zip(opt.param_groups, groups):
         mine.update({k: v for k, v in theirs.items() if k != "params"})

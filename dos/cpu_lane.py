@@ -11,7 +11,7 @@
   it was not given.
 
 Interface (both): `guard(subgroups)` / `submit(s)` from the gradient hooks; `check_hyper(hyper)`,
-`progress()`, `drain()`, `take_spans()`, `after_step()` from the step; `paused()` (gradient
+`progress()`, `started` (dos.params refuses changes to those), `drain()`, `take_spans()`, `after_step()` from the step; `paused()` (gradient
 accumulation), `require_idle(what)` (zero_grad / state_dict between backward and step), `close()`.
 
 Why the threaded lane is safe:
@@ -49,6 +49,7 @@ class InlineCpuLane:
     """The CPU lane runs inside `step()`: nothing happens during backward."""
 
     starts_in_backward = False
+    started = frozenset()  # CPU subgroups updated (or being updated) since the last step
 
     def guard(self, subgroups: Sequence[int]) -> None:
         pass
@@ -147,6 +148,11 @@ class ThreadedCpuLane:
         self._q.put((s, self.hyper))
 
     # -- called from step() -------------------------------------------------------------------
+    @property
+    def started(self) -> frozenset:
+        """Subgroups submitted this step: their gradients and weights are consumed."""
+        return frozenset(self._started)
+
     def check_hyper(self, hyper: list) -> None:
         """The step's hyperparameters must be those the early updates started with."""
         if self.hyper is not None and self.hyper != hyper:

@@ -1,8 +1,10 @@
 """DeepOptimizerStates: a `torch.optim.Optimizer` whose AdamW state lives in host memory and is
 updated by the CPU and the GPU at the same time, as the Plan says.
 
-Construct it after the model is on its device: the trainable parameters become views of flat
-per-bucket buffers, so that each subgroup's weights and gradients move in one copy.
+Construct it after the model is on its device: the trainable parameters become aliases of ranges
+of flat per-bucket buffers, so that each subgroup's weights and gradients move in one copy; what
+clients do to them between backward and step() is honoured as torch.optim.AdamW would
+(dos/params.py, docs/DESIGN.md §3.5).
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from . import adam, checkpoint
+from . import adam, checkpoint, surface
 from .binding import make_binding
 from .buffers import DeviceBuffers, HostArena, arena_blocks, thirds
-from .config import EngineConfig, validate_hparams
+from .config import EngineConfig
 from .cpu_lane import make_cpu_lane
 from .grads import GradRouter
 from .lanes import Hyper, Lanes
@@ -23,9 +25,6 @@ from .plan import STAGED
 from .planner import Planner
 from .streams import make_sync
 from .trace import Timeline
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class DeepOptimizerStates(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, `torch.optim.AdamW` semantics) with offloaded state.
@@ -40,23 +39,29 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                  staging_slots: int = 3, replan: bool = True, trace: bool = False,
                  pin_memory: bool = True,
                  host_memory_limit_gib: Optional[float] = None, overlap_backward: bool = False,
-                 amsgrad: bool = False, maximize: bool = False):
-        validate_hparams(lr, betas, eps, weight_decay)
-        if amsgrad or maximize:
-            # NOTE: deviation from torch.optim.AdamW — these variants are not implemented.
-            raise ValueError("dos.DeepOptimizerStates supports neither amsgrad nor maximize")
+                 amsgrad: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
+                 fused: Optional[bool] = None, capturable: bool = False, differentiable: bool = False):
+        # dos.surface: torch.optim.AdamW's flags (amsgrad/maximize/differentiable refused, the
+        # others ignored) and tensor lr/betas (as floats)
+        torch_keys = surface.torch_keys(foreach, fused, capturable, differentiable)
+        surface.check_group(dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                 **dict(torch_keys, amsgrad=amsgrad, maximize=maximize)), "the arguments")
+        lr, betas = surface.as_float(lr), tuple(surface.as_float(b, "betas") for b in betas)
         self.config = cfg = EngineConfig(
             placement=placement, stride=stride, gpu_fraction=gpu_fraction, subgroup_numel=subgroup_numel,
             max_grad_norm=max_grad_norm, cpu_threads=cpu_threads, staging_slots=staging_slots,
             replan=replan, trace=trace, pin_memory=pin_memory,
             host_memory_limit_gib=host_memory_limit_gib, overlap_backward=overlap_backward)
         self._ready = False
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      **torch_keys))
         self.state = checkpoint.LiveState(self)  # torch's `opt.state`, read from the live storage
         self._validate_groups()
-        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
-        device = _check_params(trainable)
-        # binding (FSDP2): plain parameters become views of the flat buffers; DTensor ones are copied
+        # a parameter repeated in a group (torch warns) is laid out once
+        trainable = [list({id(p): p for p in g["params"] if p.requires_grad}.values())
+                     for g in self.param_groups]
+        device = surface.check_params(trainable)
+        # binding (FSDP2): plain parameters become aliases of the flat buffers; DTensor ones are copied
         self.binding = binding = make_binding([p for ps in trainable for p in ps], overlap_backward)
         self.layout = partition([[(binding.local(p).numel(), str(p.dtype)) for p in ps]
                                  for ps in trainable], cfg.subgroup_numel)
@@ -81,6 +86,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                  self._host.grad, self._sync, self._tl)
         self._lanes = Lanes(self.layout, planner.plan, self._dev, self._host, self._grads, self._sync,
                             self._tl)
+        binding.attach(self._grads, self._lanes)  # per-parameter steps; plain tensors: dos.params
         planner.attach(self._lanes, self._dev, self._host, self._sync, self._tl)
         # The first step may re-size the lanes (gpu_fraction="auto"): no early update before it.
         self._cpu_lane = make_cpu_lane(cfg.overlap_backward, self._lanes, self._hyper, self._grads,
@@ -110,15 +116,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def replans(self) -> List[dict]:
         return self.planner.replans
 
-    def _adopt_params(self) -> None:
-        """Move the parameters into the flat buffers and seed the fp32 master weights."""
-        for slot, p in self._params.items():
-            flat = self._dev.params[slot.bucket][slot.offset: slot.offset + slot.numel]
-            flat.copy_(p.detach().reshape(-1))
-            p.data = flat.view(p.shape)
-        self._seed_master()
-
     def _seed_master(self) -> None:
+        """The fp32 master weights from the flat parameter buffers (the binding filled them)."""
         for sg in self.layout.subgroups:
             thirds(self.state_storage(sg.index), sg.numel)[0].copy_(self._dev.param(self.layout, sg.index))
 
@@ -137,7 +136,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate_groups()
-        self.binding.before_update()  # binding (FSDP2): the local gradient shards come in
         hyper = self._hyper(1)
         self._cpu_lane.check_hyper(hyper)
         progress = self._cpu_lane.progress()  # where a lane started in backward stands now
@@ -145,9 +143,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         step = max(self._steps)
         self._tl.begin(step, earlier=self._grads.take_spans())
         self.planner.before_step(step, progress, self._cpu_lane.starts_in_backward)
+        # What clients did since backward (plain: dos.params; FSDP2: the gradient shards come in)
+        self.binding.before_update(self.param_groups, self._cpu_lane)
         scale_t, scale = self._clip_scale()
         self.last_overlapped = len(self._lanes.run(hyper, scale_t, scale, self._cpu_lane))
-        self.binding.after_update()  # binding (FSDP2): the weights go out to the local shards
+        self.binding.after_update()  # per-parameter steps advance (FSDP2: the weights go out)
         self._tl.finish()
         self.planner.after_step(step, self._cpu_lane.starts_in_backward)
         self._cpu_lane.after_step()
@@ -155,7 +155,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     def _validate_groups(self) -> None:
         for group in self.param_groups:
-            validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            surface.check_group(group)  # flags set through param_groups are refused here too
 
     def _hyper(self, ahead: int = 0) -> List[Hyper]:
         """Each bucket's AdamW hyperparameters for the step `ahead` steps after the last one."""
@@ -186,16 +186,26 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return scale_t, scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._cpu_lane.require_idle("zero_grad()")
-        self.binding.zero_grad(self._grads, set_to_none)
+        self.require_idle("zero_grad()")
+        self.binding.zero_grad(self.param_groups, set_to_none)  # torch's semantics
 
     def state_dict(self) -> dict:
-        self._cpu_lane.require_idle("state_dict()")
-        return checkpoint.state_dict(self)
+        self.require_idle("state_dict()")
+        return surface.state_dict_with_hooks(self, lambda: checkpoint.state_dict(self))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._cpu_lane.require_idle("load_state_dict()")
-        checkpoint.load_state_dict(self, state_dict)
+        self.require_idle("load_state_dict()")
+        surface.load_state_dict_with_hooks(self, state_dict, lambda sd: checkpoint.load_state_dict(self, sd))
+
+    def require_idle(self, what: str) -> None:
+        """overlap_backward: raises between a backward and its step() (the state is half updated)."""
+        self._cpu_lane.require_idle(what)
+
+    def __getstate__(self):
+        surface.refuse_copy(self)  # NOTE: deviation — TypeError (see dos/surface.py)
+
+    def __deepcopy__(self, memo):
+        surface.refuse_copy(self)
 
     # -- the state, for checkpointing ---------------------------------------------------------------
     def param_slots(self) -> Dict[ParamSlot, torch.nn.Parameter]:
@@ -213,8 +223,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._lanes.wait_host_state()
 
     @property
+    def param_steps(self) -> Dict[ParamSlot, int]:
+        """Steps taken by each parameter (as torch: not by one without a gradient); live."""
+        return self.binding.track.steps
+
+    @property
     def group_steps(self) -> List[int]:
-        """Steps taken per parameter group (dos keeps one count per group)."""
+        """Steps taken per parameter group (step() calls; each parameter's own: `param_steps`)."""
         return list(self._steps)
 
     @group_steps.setter
@@ -242,7 +257,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return {"plan": self.plan.to_record(), "config": self.config.to_record(),
                 "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
-                "n_params": self.layout.n_params, "online": self.online_record()}
+                "n_params": self.layout.n_params, "online": self.online_record(),
+                "clients": self.binding.track.record()}  # dos.params: re-sends, re-syncs, skips
 
     def online_record(self) -> dict:
         """What online planning did (`Planner.record`)."""
@@ -255,26 +271,3 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._grads.remove()
         self._host.close()
 
-
-def _check_params(trainable: List[List[torch.Tensor]]) -> torch.device:
-    flat = [p for ps in trainable for p in ps]
-    if not flat:
-        raise ValueError("dos.DeepOptimizerStates got no trainable parameters (all have "
-                         "requires_grad=False)")
-    for p in flat:
-        if p.is_sparse or p.layout != torch.strided:
-            raise ValueError(f"dos.DeepOptimizerStates does not support sparse parameters "
-                             f"(got layout {p.layout})")
-        if p.is_complex():
-            raise ValueError("dos.DeepOptimizerStates does not support complex parameters")
-        if p.dtype not in _DTYPES:
-            raise ValueError(f"dos.DeepOptimizerStates supports parameters of dtype "
-                             f"{[str(d) for d in _DTYPES]}, got {p.dtype}")
-    devices = sorted({str(p.device) for p in flat})
-    if len(devices) > 1:
-        raise ValueError(f"dos.DeepOptimizerStates needs all trainable parameters on one device, "
-                         f"got {devices}")
-    device = flat[0].device
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"dos.DeepOptimizerStates runs on CUDA or CPU parameters, got {device}")
-    return device

@@ -1,7 +1,8 @@
 """Gradients: from autograd into their subgroups, and off the GPU for the CPU lane.
 
-Every trainable parameter's `.grad` is a view of its bucket's flat gradient buffer, so autograd
-accumulates in place (micro-batches add up there). A post-accumulate-grad hook counts, per
+Every trainable parameter's `.grad` is a view of its bucket's flat gradient buffer (once it has
+one: None after construction and `zero_grad()`, as torch; the hook adopts the first backward's),
+so autograd accumulates in place (micro-batches add up there). A post-accumulate-grad hook counts, per
 subgroup, the parameters whose gradient is final for this backward; when a CPU-lane subgroup is
 complete its gradient starts its D2H on the `grad` stream, overlapping the rest of backward.
 
@@ -16,6 +17,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from .params import grad_view
 from .partition import Layout, ParamSlot, subgroups_of
 from .plan import CPU
 
@@ -33,14 +35,16 @@ class GradRouter:
         self._views: Dict[int, torch.Tensor] = {}
         self._handles = []
         self.cpu_lane = None  # dos.cpu_lane: told when a CPU subgroup's gradient is on its way
+        self.watch = None  # dos.params.ParamTracker: records each gradient's version
         for slot, p in params.items():
             sgs = subgroups_of(layout, slot)
             for s in sgs:
                 self.need[s] += 1
-            view = dev.grads[slot.bucket][slot.offset: slot.offset + slot.numel].view(p.shape)
-            if p.grad is not None:
+            # .data: a version counter of its own (dos.params tells which gradient changed)
+            view = grad_view(dev.grads[slot.bucket][slot.offset: slot.offset + slot.numel], p.shape)
+            if p.grad is not None:  # else None, as torch: the first backward's hook adopts it
                 view.copy_(p.grad)
-            p.grad = view
+                p.grad = view
             self._views[id(p)] = view
             self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate(sgs)))
 
@@ -52,6 +56,8 @@ class GradRouter:
             if p.grad.data_ptr() != view.data_ptr():  # .grad was set to None: adopt the new one
                 view.copy_(p.grad)
                 p.grad = view
+            if self.watch is not None:
+                self.watch.grad_done(p)  # dos.params: the version backward left
             for s in sgs:
                 self.sent[s] = False
                 self.count[s] += 1
@@ -93,11 +99,6 @@ class GradRouter:
     def take_spans(self) -> list:
         spans, self.spans = self.spans, []
         return spans
-
-    def zero_(self) -> None:
-        for g in self.dev.grads:
-            g.zero_()
-        self.sent = [False] * len(self.sent)
 
     def remove(self) -> None:
         for h in self._handles:

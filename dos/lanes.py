@@ -47,6 +47,9 @@ class Lanes:
         self.free: List = [None] * len(dev.slots)
         device = dev.params[0].device if dev.params else torch.device("cpu")
         self.step_t = [torch.zeros((), device=device) for _ in layout.buckets]
+        # dos.params.StepCounts.segments: (start, stop, step|None) pieces of a subgroup (steps are
+        # per parameter; None: no gradient this step). Default: the whole subgroup at the bucket's step.
+        self.segments = lambda s, step: [(0, layout.subgroups[s].numel, step)]
 
     def set_plan(self, plan: Plan) -> None:
         """The plan in force from the next update on (the planner checked it fits the buffers)."""
@@ -80,10 +83,15 @@ class Lanes:
         sg = self.layout.subgroups[s]
         h = hyper[sg.bucket]
         master, m, v = thirds(state, sg.numel)
-        adam.device_adamw_(master, m, v, self.dev.grad(self.layout, s), self.dev.param(self.layout, s),
-                           step_t=self.step_t[sg.bucket], lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                           eps=h.eps, weight_decay=h.weight_decay, scale_t=scale_t,
-                           scratch=self.dev.scratch)
+        grad, param = self.dev.grad(self.layout, s), self.dev.param(self.layout, s)
+        for lo, hi, step in self.segments(s, h.step):  # per-parameter steps (dos.params)
+            if step is None:
+                continue  # no gradient this step: untouched, as torch.optim.AdamW
+            step_t = self.step_t[sg.bucket] if step == h.step else torch.full((), float(step), device=master.device)
+            adam.device_adamw_(master[lo:hi], m[lo:hi], v[lo:hi], grad[lo:hi], param[lo:hi],
+                               step_t=step_t, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                               eps=h.eps, weight_decay=h.weight_decay, scale_t=scale_t,
+                               scratch=self.dev.scratch)
 
     def _resident(self, hyper, scale_t) -> None:
         for s, state in self.dev.resident.items():
@@ -128,9 +136,13 @@ class Lanes:
         t0 = time.perf_counter()
         master, m, v = thirds(self.host.state[s], sg.numel)
         g = self.host.grad[s]
-        adam.cpu_adamw_(master, m, v, g, g, step=h.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                        eps=h.eps, weight_decay=h.weight_decay, grad_scale=scale,
-                        threads=max(1, self.plan.cpu_threads - spare))
+        for lo, hi, step in self.segments(s, h.step):  # per-parameter steps (dos.params)
+            if step is None:  # no gradient this step: untouched; its weights go up unchanged
+                g[lo:hi].copy_(master[lo:hi])
+                continue
+            adam.cpu_adamw_(master[lo:hi], m[lo:hi], v[lo:hi], g[lo:hi], g[lo:hi], step=step, lr=h.lr,
+                            beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                            grad_scale=scale, threads=max(1, self.plan.cpu_threads - spare))
         span = ("cpu", s, sg.numel, t0, time.perf_counter())
         if spans is None:
             self.tl.host(*span)

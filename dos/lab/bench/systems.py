@@ -96,7 +96,10 @@ class DosSystem(_Base):
 
     def step(self):
         self.opt.step()
-        self.opt.zero_grad()
+        # zeroed in place: the next backward accumulates straight into dos's flat gradient buffers
+        # (set_to_none, torch's default, makes each hook copy a fresh gradient in: as before the
+        # zero_grad semantics changed, the measured path stays the in-place one)
+        self.opt.zero_grad(set_to_none=False)
 
     def describe(self):
         d = self.opt.describe()  # the optimizer's own record: plan, config, kernel, host bytes
