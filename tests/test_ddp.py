@@ -78,9 +78,9 @@ def _ddp(variant):
     return m
 
 
-def _train(m, opt, accum: int):
+def _train(m, opt, accum: int, steps: int = STEPS):
     rank = dist.get_rank()
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         for micro in range(accum):
             g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)  # each rank its batch
@@ -122,7 +122,7 @@ def _matrix(tmp, placements, variants):
 def _preflight(tmp):
     """Each DDP rank holds a full copy of the state: a host-memory limit that holds one arena but
     not two fails on every rank, before anything is allocated; the CPU lane's threads are the
-    host's cores divided by its 2 ranks. The ranks on this host are found by their host names
+    host's cores divided by its 2 ranks; overlap_backward raises. The ranks on this host are found by their host names
     (not torchrun's LOCAL_WORLD_SIZE, removed here)."""
     os.environ.pop("LOCAL_WORLD_SIZE")
     m = _ddp(VARIANTS[0])
@@ -139,6 +139,11 @@ def _preflight(tmp):
                                    host_memory_limit_gib=3 * limit)
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, (raised, threads, fits.host_bytes == one))
+    # overlap_backward would update from the local gradient: step() raises, naming DDP
+    opt = dos.DeepOptimizerStates(m.parameters(), placement="cpu", subgroup_numel=SUBGROUP,
+                                  overlap_backward=True)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel"):
+        _train(m, opt, 1, steps=1)
     return {"ranks": flags, "cores": dos.planner.usable_cores()}
 
 
