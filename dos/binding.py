@@ -50,10 +50,36 @@ def local_ranks() -> int:
         return 1
 
 
+def _distributed():
+    """torch.distributed, when a process group of more than one rank is initialized; else None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
 class DirectBinding:
-    """The parameters are views of the flat buffers (the single-process path)."""
+    """The parameters are aliases of the flat buffers (one process, or each rank of DDP).
+
+    Under torch.distributed (DDP: every rank holds the whole optimizer state) the ranks on this
+    host share its memory and cores: the preflight counts every local rank's arena, and the CPU
+    lane's threads default to this host's cores divided by its ranks. Finding the ranks on this
+    host is a collective (an all-gather of host names, and one of the arena sizes in `preflight`):
+    every rank of the default process group constructs its optimizer, as every rank constructs
+    its DistributedDataParallel."""
 
     sharded = False
+
+    def __init__(self):
+        self._dist = _distributed()
+        self._host = socket.gethostname()
+        self._peers = [self._host]
+        if self._dist is not None:
+            self._peers = [None] * self._dist.get_world_size()
+            self._dist.all_gather_object(self._peers, self._host)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """The elements of `t` this process holds (all of them)."""
@@ -68,10 +94,23 @@ class DirectBinding:
         return state
 
     def local_ranks(self) -> int:
-        return local_ranks()
+        return max(local_ranks(), self._peers.count(self._host))
 
     def preflight(self, nbytes: int, n_params: int, limit_gib: Optional[float]) -> None:
-        preflight(nbytes, n_params, limit_gib)
+        """Every rank on this host needs its arena: the sum must fit. Each rank measures what is
+        available before any allocates (the all-gather is the barrier)."""
+        if limit_gib is not None:
+            avail = (int(limit_gib * 2**30), "host_memory_limit_gib, for the host")
+        else:
+            avail = available_host_bytes()
+        mine = (self._host, nbytes, n_params, avail)
+        peers = [mine]
+        if self._dist is not None:
+            peers = [None] * self._dist.get_world_size()
+            self._dist.all_gather_object(peers, mine)
+        here = [x for x in peers if x[0] == self._host]
+        preflight(sum(x[1] for x in here), sum(x[2] for x in here), ranks=len(here),
+                  avail=min((x[3] for x in here), key=lambda a: a[0]))
 
     def adopt(self, opt, params, dev) -> None:
         """Move the parameters into the flat buffers (each p.data an alias of its range) and seed
@@ -110,9 +149,7 @@ class ShardBinding(DirectBinding):
     sharded = True
 
     def __init__(self, params: List[torch.Tensor]):
-        import torch.distributed as dist
-
-        self._dist = dist
+        super().__init__()
         mesh, dims = None, None
         for p in params:
             d = tuple(i for i, pl in enumerate(p.placements) if pl.is_shard())
@@ -131,11 +168,6 @@ class ShardBinding(DirectBinding):
         self._groups = [mesh.get_group(i) for i in dims]
         self._params: Dict = {}
         self._dev = None
-        self._host = socket.gethostname()
-        self._peers = [self._host]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            self._peers = [None] * dist.get_world_size()
-            dist.all_gather_object(self._peers, self._host)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if _is_dtensor(t) else t
@@ -160,25 +192,6 @@ class ShardBinding(DirectBinding):
 
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         return state.reshape(p.shape)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-
-    def local_ranks(self) -> int:
-        return max(local_ranks(), self._peers.count(self._host))
-
-    def preflight(self, nbytes: int, n_params: int, limit_gib: Optional[float]) -> None:
-        """Every rank on this host needs its arena: the sum must fit. Each rank measures what is
-        available before any allocates (the all-gather is the barrier)."""
-        if limit_gib is not None:
-            avail = (int(limit_gib * 2**30), "host_memory_limit_gib, for the host")
-        else:
-            avail = available_host_bytes()
-        mine = (self._host, nbytes, n_params, avail)
-        peers = [mine]
-        if self._dist.is_initialized() and self._dist.get_world_size() > 1:
-            peers = [None] * self._dist.get_world_size()
-            self._dist.all_gather_object(peers, mine)
-        here = [x for x in peers if x[0] == self._host]
-        preflight(sum(x[1] for x in here), sum(x[2] for x in here), ranks=len(here),
-                  avail=min((x[3] for x in here), key=lambda a: a[0]))
 
     def adopt(self, opt, params, dev) -> None:
         self._params, self._dev = params, dev
@@ -215,9 +228,11 @@ class ShardBinding(DirectBinding):
         self.track.after_step()
 
     def total_norm(self, norms: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
         sq = norms.square().sum()
         for group in self._groups:
-            self._dist.all_reduce(sq, group=group)
+            dist.all_reduce(sq, group=group)
         return sq.sqrt()
 
     def zero_grad(self, groups, set_to_none: bool) -> None:

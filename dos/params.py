@@ -219,7 +219,8 @@ class ParamTracker(StepCounts):
             raise RuntimeError(
                 "dos: gradients or weights changed between backward and step() with "
                 "overlap_backward=True, after the CPU lane had already consumed them (subgroups "
-                f"{sorted(bad)[:8]}): clip with dos's max_grad_norm, or run without overlap_backward")
+                f"{sorted(bad)[:8]}): clip with dos's max_grad_norm, or run without overlap_backward "
+                "(always under DistributedDataParallel: it all-reduces the gradients after backward)")
         if resync:
             self._resync(resync)
         lanes = self.grads.lanes

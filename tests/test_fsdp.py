@@ -7,15 +7,14 @@ saved on 2 ranks, it resumes bitwise on 2 and loads on 1.
 """
 from __future__ import annotations
 
-import json
 import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import dos
+import dist_helpers
 from helpers import TinyTransformer, batch, loss_fn
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -36,14 +35,10 @@ PLACEMENTS = {
 
 
 # -- in the worker processes -------------------------------------------------------------------
-def _init(rank: int, world: int, store: str):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def _model(mesh, seed=0, mp=None):
@@ -82,26 +77,9 @@ def _train(m, opt, steps, start=0, clip=None, sched=None):
 
 
 def _local_diff(a, b) -> float:
-    d = max((p.to_local() - q.to_local()).abs().max().item() if p.to_local().numel() else 0.0
-            for p, q in zip(a.parameters(), b.parameters()))
-    t = torch.tensor(d)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _run(fn, rank, world, tmp, *args):
-    try:
-        mesh = _init(rank, world, os.path.join(tmp, "store"))
-        out = fn(mesh, tmp, *args)
-        if rank == 0 and out is not None:
-            with open(os.path.join(tmp, "result.json"), "w") as f:
-                json.dump(out, f)
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return dist_helpers.all_max(max((p.to_local() - q.to_local()).abs().max().item()
+                                    if p.to_local().numel() else 0.0
+                                    for p, q in zip(a.parameters(), b.parameters())))
 
 
 def _equivalence(mesh, tmp):
@@ -248,14 +226,8 @@ def _preflight(mesh, tmp):
 
 
 # -- in pytest ---------------------------------------------------------------------------------
-def _entry(rank, world, tmp, fn, *args):
-    _run(fn, rank, world, tmp, *args)
-
-
 def spawn(fn, world, tmp_path, *args) -> dict:
-    torch.multiprocessing.spawn(_entry, args=(world, str(tmp_path), fn, *args), nprocs=world)
-    with open(tmp_path / "result.json") as f:
-        return json.load(f)
+    return dist_helpers.spawn(fn, world, tmp_path, *args, setup=_mesh)
 
 
 def test_fsdp2_matches_torch_adamw_on_every_placement(tmp_path):
