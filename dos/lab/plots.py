@@ -288,12 +288,15 @@ def subgroup_size(df: pd.DataFrame, note: str = ""):
             ax.plot(k["plan_subgroup_numel"], k["step_s"], "o-", color=PALETTE.get(key),
                     label=label(key), ms=5)
         ax.set_xscale("log", base=2)
-        ticks = sorted(m["plan_subgroup_numel"].dropna().unique())
+        sizes = sorted(m["plan_subgroup_numel"].dropna().unique())
+        ticks = [t for t in sizes if int(t) & (int(t) - 1) == 0] or sizes  # powers of two: no overlap
         ax.set_xticks(ticks, [binary(t) for t in ticks])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("subgroup size (elements)")
         ax.set_ylabel("update phase (s)")
-        ax.set_title(model)
+        best = m.loc[m["step_s"].idxmin()]  # the message: where the update phase is shortest
+        ax.set_title(f"{model}, whole GPU: shortest update phase at {binary(best['plan_subgroup_numel'])} "
+                     f"({label(best['key'])})", fontsize=9)
         ax.legend(fontsize=7)
     caption(fig, d, note)
     return fig

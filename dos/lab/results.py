@@ -222,7 +222,12 @@ def superseded(df: pd.DataFrame) -> pd.Series:
             for rid in str(ids or "").split(";"):
                 if rid.strip():
                     marks[rid.strip()] = max(marks.get(rid.strip(), ""), str(t))
-    return pd.Series([r in marks and str(t) < marks[r] for r, t in zip(df["run_id"], df["timestamp"])],
+    # A run that did not finish (skipped for want of memory, failed, timed out) is superseded by a
+    # later ok row of the same run_id: the sweep re-ran it on resume, in whichever batch.
+    ok_at = df[df["status"] == "ok"].groupby("run_id")["timestamp"].max().astype(str).to_dict() \
+        if "status" in df else {}
+    return pd.Series([(r in marks and str(t) < marks[r]) or (st != "ok" and str(t) < ok_at.get(r, ""))
+                      for r, t, st in zip(df["run_id"], df["timestamp"], df.get("status", ["ok"] * len(df)))],
                      index=df.index, dtype=bool)
 
 
