@@ -15,7 +15,7 @@ def drift(a: Calibration, b: Calibration) -> float:
     """Largest relative difference between the rates of two calibrations (0: the same)."""
     worst = 0.0
     for name in ("cpu_rate", "cpu_rate_dma", "h2d_bw_cpu", "d2h_bw_cpu", "gpu_rate", "h2d_bw",
-                 "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw"):
+                 "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw", "host_mem_bw"):
         x, y = getattr(a, name), getattr(b, name)
         if x is None or y is None:
             continue
