@@ -24,6 +24,7 @@ MAX_STEPS = 12      # steps one exploration may take (the schedule)
 N_BEST = 3          # the model's best plans tried, besides all-CPU and stride 2
 EXPLORE_DRIFT = 0.2  # explore again once a refined rate moved this much since the last exploration
 COOLDOWN = 50       # ... but not within this many steps of the last one
+SETTLE = 5          # steps of the kept plan before the reference rates for drift are taken
 
 
 def key(plan: Plan) -> Tuple:

@@ -62,8 +62,9 @@ class Planner:
         self.explorer: Optional[explore.Explorer] = None  # the exploration under way
         self.explorations: List[dict] = []  # records of finished explorations
         self.explore_steps, self.explore_s = 0, 0.0
-        self._explored_calib = None  # the rates when the last exploration ended
-        self._explored_step = 0
+        self._explored_calib = None  # the rates once the kept plan settled after an exploration
+        self._explored_step = 0  # the step the last exploration ended
+        self._explored = False  # an exploration ended (or there was nothing to explore)
         self._marks: List[tuple] = []  # (step, plan, mark): each step's start, not yet timed
         self._step_plan = self._prev_step_plan = None  # the plans of the step under way / before
         self.step_times: List[tuple] = []  # (step, seconds) measured, the last few
@@ -174,12 +175,17 @@ class Planner:
         """Start, advance or end an exploration; the plan for the next update is set here."""
         ex = self.explorer
         if ex is None:
-            drifted = (self._explored_calib is not None
-                       and refine.drift(self._explored_calib, self.calibration) > explore.EXPLORE_DRIFT
-                       and step - self._explored_step >= explore.COOLDOWN)
-            if self._explored_calib is not None and not drifted:
-                return
-            if self._explored_calib is None and step < 2:
+            if self._explored:
+                # The reference rates: those once the kept plan ran SETTLE steps (the rates of the
+                # lanes it runs move to it first); explore again once they drift.
+                if self._explored_calib is None:
+                    if step - self._explored_step >= explore.SETTLE:
+                        self._explored_calib = self.calibration
+                    return
+                if (step - self._explored_step < explore.COOLDOWN
+                        or refine.drift(self._explored_calib, self.calibration) <= explore.EXPLORE_DRIFT):
+                    return
+            elif step < 2:
                 return  # the first step runs the model's choice and warms up
             ex = self.explorer = explore.Explorer(
                 explore.candidates(self.plan, self.calibration, staging_slots=len(self._dev.slots),
@@ -188,7 +194,7 @@ class Planner:
                 steps_per=explore.STEPS_PER, max_steps=explore.MAX_STEPS)
             if len(ex.candidates) < 2:
                 self.explorer = None
-                self._explored_calib, self._explored_step = self.calibration, step
+                self._explored, self._explored_calib, self._explored_step = True, None, step
                 return
         nxt = ex.next_plan()
         if nxt is not None:
@@ -204,7 +210,7 @@ class Planner:
         self.explore_s += ex.cost_s()
         self.explorations.append(dict(ex.to_record(), end_step=step))
         self.explorer = None
-        self._explored_calib, self._explored_step = self.calibration, step
+        self._explored, self._explored_calib, self._explored_step = True, None, step
 
     # -- decisions -----------------------------------------------------------------------------
     @property

@@ -17,13 +17,13 @@ from tests.helpers import make_model, max_diff, pair, train
 
 class FakeClock:
     """The Planner reads the clock once per step, at its start: each read advances by the cost of
-    the plan in force, so a step's measured time is `cost(plan it ran)`."""
+    the plan the step before ran, so a step's measured time is `cost(plan it ran)`."""
 
     def __init__(self, planner, cost):
         self.t, self.planner, self.cost = 100.0, planner, cost
 
     def __call__(self):
-        self.t += self.cost(self.planner.plan)
+        self.t += self.cost(self.planner._step_plan or self.planner.plan)
         return self.t
 
 
@@ -126,9 +126,24 @@ def test_exploration_keeps_the_fastest_plan_bounded_and_exact(exploring, target)
     assert opt.replans[-1]["plan"]["source"] in ("explored", "explore")
 
 
+def test_exploration_with_the_cpu_lane_in_backward_switches_after_the_update(exploring):
+    """overlap_backward: the plan changes at after_step (the next backward starts the CPU lane by
+    it); the step times are still attributed to the plan each step ran; still the oracle."""
+    a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
+                          cpu_threads=2, overlap_backward=True)
+    opt.planner.clock = FakeClock(opt.planner, near(0.5))
+    train("transformer", a, opt, 18, accum=2)
+    train("transformer", b, ref, 18, accum=2)
+    assert max_diff(a, b) <= 1e-5
+    ex = opt.planner.explorations[0]
+    for c in ex["candidates"]:
+        assert c["measured_s"] == pytest.approx(1.0 + abs(c["staged_share"] - 0.5), abs=1e-6)
+    assert opt.plan.share("staged") == pytest.approx(0.5, abs=0.01)
+
+
 def test_exploration_explores_again_when_the_rates_drift(exploring, monkeypatch):
     monkeypatch.setattr(dos.planner.refine, "update", lambda calib, plan, totals, **kw: calib)
-    monkeypatch.setattr(explore, "COOLDOWN", 4)
+    monkeypatch.setattr(explore, "COOLDOWN", 8)
     a, opt, b, ref = explored_pair(near(0.5))
     train("transformer", a, opt, 24)
     train("transformer", b, ref, 24)
