@@ -181,6 +181,10 @@ class Planner:
                 if self._explored_calib is None:
                     if step - self._explored_step >= explore.SETTLE:
                         self._explored_calib = self.calibration
+                        if self.explorations:  # the kept plan under the rates fitted in situ
+                            self.explorations[-1]["refined_predicted_s"] = round(perfmodel.predict(
+                                self.plan, self.calibration, head_start_s=self.head_start_s,
+                                **self._bytes).total_s, 6)
                     return
                 if (step - self._explored_step < explore.COOLDOWN
                         or refine.drift(self._explored_calib, self.calibration) <= explore.EXPLORE_DRIFT):
@@ -226,7 +230,8 @@ class Planner:
         totals = self._tl.totals()
         if not totals:
             return
-        self.calibration = refine.update(self.calibration, ran or self.plan, totals, **self._bytes)
+        self.calibration = refine.update(self.calibration, ran or self.plan, totals,
+                                         split_cpu=self.exploring, **self._bytes)
         if self.exploring:
             return  # the plan is chosen by measurement (_explore); the rates rank its candidates
         # The search runs on the host, in the CPU lane's path: search again only once the rates

@@ -148,6 +148,7 @@ def test_exploration_explores_again_when_the_rates_drift(exploring, monkeypatch)
     train("transformer", a, opt, 24)
     train("transformer", b, ref, 24)
     assert len(opt.planner.explorations) == 1  # rates steady: no second exploration
+    assert opt.planner.explorations[0]["refined_predicted_s"] > 0  # the kept plan, rates fitted in situ
     assert opt.plan.share("staged") == pytest.approx(0.5, abs=0.01)
     # The machine changes: the CPU got 3x slower, and all-CPU is now what the clock likes best.
     cal = opt.planner.calibration

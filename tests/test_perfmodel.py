@@ -523,3 +523,24 @@ def test_calibration_reports_spread_and_warns_on_odd_profiles():
     assert calibrate.profile_warnings("H2D", [1, 2], [[50e9] * 3, [48e9] * 3], rising=False) == []
     assert calibrate.spread_of([1.0, 1.1, 0.9]) == pytest.approx(0.2)
     assert calibrate.spread_of([2.0]) == 0.0
+
+
+def test_split_cpu_refinement_moves_alone_and_dma_rates_apart():
+    from fractions import Fraction
+
+    c = pm.DESIGN_H200
+    numels = (10**8,) * 12
+    all_cpu = pm.build_plan(numels, resident=0, staged_share=Fraction(0), cpu_threads=16, staging_slots=3)
+    mixed = pm.build_plan(numels, resident=0, staged_share=Fraction(1, 2), cpu_threads=16, staging_slots=3)
+    # all-CPU measured 2x slower than predicted: only the alone rates move (dma capped by them)
+    slow = rf.update(c, all_cpu, {"cpu": 2 * pm.predict(all_cpu, c).cpu_s}, split_cpu=True)
+    assert slow.cpu_rate == pytest.approx(tuple(0.75 * r for r in c.cpu_rate))
+    assert all(d <= a for d, a in zip(slow.cpu_rate_dma, slow.cpu_rate))
+    assert slow.cpu_rate_dma == tuple(min(d, a) for d, a in zip(c.cpu_rate_dma, slow.cpu_rate))
+    # mixed measured faster: only the rates under DMA move, never above the alone ones
+    fast = rf.update(c, mixed, {"cpu": 0.5 * pm.predict(mixed, c).cpu_s}, split_cpu=True)
+    assert fast.cpu_rate == c.cpu_rate
+    assert all(c.cpu_rate_dma[i] < fast.cpu_rate_dma[i] <= c.cpu_rate[i] for i in range(5))
+    # without split_cpu: one factor for both, as before
+    both = rf.update(c, all_cpu, {"cpu": 2 * pm.predict(all_cpu, c).cpu_s})
+    assert both.cpu_rate_dma == pytest.approx(tuple(0.75 * r for r in c.cpu_rate_dma))
