@@ -46,6 +46,8 @@ def candidates(plan: Plan, calib: Calibration, *, staging_slots: int, max_thread
         return build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
                           staging_slots=staging_slots, placement=plan.placement)
 
+    if plan.resident != tuple(range(r)):  # build_plan makes the first subgroups resident
+        return [(plan, predict(plan, calib, **kw).total_s)]
     threads = sorted({plan.cpu_threads, max_threads})
     if staging_slots <= 0 or r >= len(numels) or not calib.has_gpu:
         searched = [Fraction(0)] if r < len(numels) else []

@@ -126,6 +126,18 @@ def test_exploration_keeps_the_fastest_plan_bounded_and_exact(exploring, target)
     assert opt.replans[-1]["plan"]["source"] in ("explored", "explore")
 
 
+def test_exploration_keeps_the_resident_share(exploring):
+    a, opt, b, ref = explored_pair(near(0.5), gpu_fraction=0.25)
+    resident = opt.plan.resident
+    assert resident
+    train("transformer", a, opt, 16)
+    train("transformer", b, ref, 16)
+    assert max_diff(a, b) <= 1e-5
+    assert opt.planner.explorations and opt.plan.resident == resident
+    assert all(e["plan"]["resident_fraction"] == opt.plan.to_record()["resident_fraction"]
+               for e in opt.replans)
+
+
 def test_exploration_with_the_cpu_lane_in_backward_switches_after_the_update(exploring):
     """overlap_backward: the plan changes at after_step (the next backward starts the CPU lane by
     it); the step times are still attributed to the plan each step ran; still the oracle."""
