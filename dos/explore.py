@@ -25,6 +25,7 @@ N_BEST = 3          # the model's best plans tried, besides all-CPU and stride 2
 EXPLORE_DRIFT = 0.2  # explore again once a refined rate moved this much since the last exploration
 COOLDOWN = 50       # ... but not within this many steps of the last one
 SETTLE = 5          # steps of the kept plan before the reference rates for drift are taken
+MAX_LAG = 6         # steps past the schedule an exploration waits for its last measurements
 
 
 def key(plan: Plan) -> Tuple:
@@ -115,6 +116,11 @@ class Explorer:
         self.spent.append(seconds)
 
     @property
+    def length(self) -> int:
+        """Steps in the schedule."""
+        return len(self._order)
+
+    @property
     def scheduled(self) -> bool:
         """Every schedule position handed out."""
         return self._issued >= len(self._order)
@@ -141,7 +147,7 @@ class Explorer:
 
     def cost_s(self) -> float:
         """Seconds the measured exploration steps took beyond the kept plan's step time."""
-        if not self.spent:
+        if not self.spent or not self.times:
             return 0.0
         _, best = self.best()
         return max(0.0, sum(self.spent) - best * len(self.spent))

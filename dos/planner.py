@@ -168,7 +168,7 @@ class Planner:
             return  # the first step warms up (allocations, first kernels): never compared
         self.step_times.append((step, seconds))
         del self.step_times[:-64]
-        if self.explorer is not None:
+        if self.explorer is not None and step >= self.explorer.start_step:
             self.explorer.observe(plan, seconds)
 
     def _explore(self, step: int) -> None:
@@ -205,11 +205,13 @@ class Planner:
             if explore.key(nxt) != explore.key(self.plan):
                 self.set_plan(nxt.replace(source="explore"), step)
             return
-        if not ex.finished:
+        late = step - ex.start_step >= ex.length + explore.MAX_LAG
+        if not ex.finished and not late:
             return  # the last measurements are still on their way: keep the plan
-        best, _ = ex.best()
-        if explore.key(best) != explore.key(self.plan):
-            self.set_plan(best.replace(source="explored"), step)
+        if ex.times:  # (late: the fastest of those measured; none: keep the plan)
+            best, _ = ex.best()
+            if explore.key(best) != explore.key(self.plan):
+                self.set_plan(best.replace(source="explored"), step)
         self.explore_steps += ex.steps
         self.explore_s += ex.cost_s()
         self.explorations.append(dict(ex.to_record(), end_step=step))

@@ -212,3 +212,22 @@ def test_resume_of_a_run_that_switched_plans_is_bitwise(exploring):
         assert torch.equal(p, q)
     for (i, x), (j, y) in zip(opt.state_dict()["state"].items(), opt_c.state_dict()["state"].items()):
         assert i == j and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_exploration_ends_when_measurements_never_come(exploring):
+    """A step time lost (say an unread event dropped): the exploration still ends, MAX_LAG steps
+    after its schedule, with the fastest of what was measured."""
+    a, opt, b, ref = explored_pair(near(0.0))
+    pl = opt.planner
+    seen = pl.observe
+
+    def lossy(step, plan, seconds):  # every measurement of stride 2 is lost
+        if plan is not None and abs(plan.share("staged") - 0.5) < 0.01:
+            return
+        seen(step, plan, seconds)
+
+    pl.observe = lossy
+    train("transformer", a, opt, 2 + explore.MAX_STEPS + explore.MAX_LAG + 2)
+    ex = pl.explorations[0]
+    assert any(c["measured_s"] is None for c in ex["candidates"])
+    assert opt.plan.share("staged") == 0.0 and pl.explorer is None
