@@ -231,3 +231,59 @@ def test_exploration_ends_when_measurements_never_come(exploring):
     ex = pl.explorations[0]
     assert any(c["measured_s"] is None for c in ex["candidates"])
     assert opt.plan.share("staged") == 0.0 and pl.explorer is None
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at a GPU time, done once the fake GPU got there."""
+
+    def __init__(self, gpu, t):
+        self.gpu, self.t = gpu, t
+
+    def query(self):
+        return self.gpu.now >= self.t
+
+    def elapsed_time(self, other):
+        return 1e3 * (other.t - self.t)
+
+
+def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
+    """On CUDA a step is timed by events on the main stream, read with query() at later steps: a
+    step whose end event the GPU has not reached yet is timed later, to the plan it ran."""
+    a, opt, b, ref = explored_pair(near(0.5))
+    pl = opt.planner
+
+    class Gpu:
+        now, t = 0.0, 0.0
+
+    class Sync:
+        is_async, timing = True, True
+
+        def record(self, name="main"):
+            Gpu.t += pl.clock.cost(pl._step_plan or pl.plan)
+            return FakeEvent(Gpu, Gpu.t)
+
+    pl._sync = Sync()  # only the Planner's marks use it
+    got = []
+    seen = pl.observe
+    pl.observe = lambda step, plan, s: (got.append((step, plan, s)), seen(step, plan, s))
+    for step in range(2, 8):
+        Gpu.now = Gpu.t  # the GPU is a step behind: at the last mark, not at the one recorded now
+        pl._time_steps(step)
+        pl._marks[-1][1] = pl.plan
+    assert [s for s, _, _ in got] == [2, 3, 4, 5]  # steps whose end the GPU has passed
+    assert all(s == pytest.approx(1.0 + abs(p.share("staged") - 0.5)) for _, p, s in got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_exploration_on_the_gpu_times_with_events_and_stays_exact(monkeypatch):
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    a, opt, b, ref = pair("transformer", "cuda", subgroup_numel=500, placement="interleaved",
+                          stride="auto", cpu_threads=2)
+    assert opt.planner.exploring
+    train("transformer", a, opt, 24, "cuda")
+    train("transformer", b, ref, 24, "cuda")
+    assert max_diff(a, b) <= 1e-5
+    rec = opt.online_record()
+    assert rec["explorations"] and 0 < rec["explore_steps"] <= explore.MAX_STEPS + explore.MAX_LAG
+    assert all(c["measured_s"] > 0 for c in rec["explorations"][0]["candidates"])
