@@ -13,6 +13,7 @@ Without CUDA only the CPU rates are measured; the rest is None. `python -m dos.c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -29,7 +30,7 @@ import torch
 from . import adam
 from .buffers import HostArena, arena_blocks, available_host_bytes, thirds
 from .partition import partition
-from .perfmodel import Calibration, machine_key
+from .perfmodel import Calibration, host_traffic_peak, machine_key
 
 MI = 2**20
 DEVICE, PIN = "cuda", True  # tests run the GPU path on the CPU with a fake torch.cuda
@@ -177,8 +178,49 @@ def rate(spans: Sequence[Tuple[int, float, float]]) -> float:
     return sum(n for n, _, _ in spans) / max(1e-9, sum(b - a for _, a, b in spans))
 
 
-def cpu_rates(prob: CpuProblem, threads: Sequence[int], min_s: float, repeats: int = 3) -> List[float]:
-    return [statistics.median(rate(prob.run(t, min_s)) for _ in range(repeats)) for t in threads]
+REPEATS = 3  # each point of the profile is measured this many times; the median is kept
+NOISY = 0.10  # a point whose repeats spread more than this (of the median) is reported noisy
+
+
+def cpu_rates(prob: CpuProblem, threads: Sequence[int], min_s: float, repeats: int = REPEATS) -> List[float]:
+    return [statistics.median(xs) for xs in cpu_samples(prob, threads, min_s, repeats)]
+
+
+def cpu_samples(prob: CpuProblem, threads: Sequence[int], min_s: float,
+                repeats: int = REPEATS) -> List[List[float]]:
+    """CPU AdamW elements/s, `repeats` measurements per thread count, taken round-robin over the
+    thread counts (a slow spell of the machine then hits every count, not one)."""
+    out: List[List[float]] = [[] for _ in threads]
+    for _ in range(repeats):
+        for i, t in enumerate(threads):
+            out[i].append(rate(prob.run(t, min_s)))
+    return out
+
+
+def spread_of(xs: Sequence[float]) -> float:
+    """(max - min) / median of repeated measurements (0: one measurement, or all equal)."""
+    m = statistics.median(xs)
+    return (max(xs) - min(xs)) / m if len(xs) > 1 and m > 0 else 0.0
+
+
+def profile_warnings(name: str, threads: Sequence[int], samples: Sequence[Sequence[float]],
+                     rising: bool = True, noisy: float = NOISY) -> List[str]:
+    """What looks wrong in a profile against the thread count: a median that falls where it should
+    rise (`rising`; or rises where it should fall) by more than the points' own spread, and points
+    whose repeats spread more than `noisy`."""
+    out = []
+    med = [statistics.median(xs) for xs in samples]
+    for i in range(1, len(threads)):
+        a, b = med[i - 1], med[i]
+        if (b < a) if rising else (b > a):
+            out.append(f"{name}: non-monotone in threads, {threads[i]} threads {b / 1e9:.2f} G/s "
+                       f"{'below' if rising else 'above'} {threads[i - 1]} threads {a / 1e9:.2f} G/s")
+    for t, xs in zip(threads, samples):
+        sp = spread_of(xs)
+        if sp > noisy:
+            out.append(f"{name}: noisy at {t} threads, spread {100 * sp:.0f}% "
+                       f"(min {min(xs) / 1e9:.2f}, median {statistics.median(xs) / 1e9:.2f} G/s)")
+    return out
 
 
 # -- GPU: AdamW and copies ---------------------------------------------------------------------
@@ -313,26 +355,47 @@ def measure(sizes: Optional[Sizes] = None, threads: Optional[Sequence[int]] = No
     try:
         prob.warm_up(max(threads))
         log(f"calibrate: CPU AdamW over {sizes.cpu_numel / 1e6:.0f}M elements, threads {threads}")
-        cpu = cpu_rates(prob, threads, sizes.min_s)
-        kw = {}
+        samples = cpu_samples(prob, threads, sizes.min_s)
+        cpu = [statistics.median(xs) for xs in samples]
+        kw = dict(cpu_rate_spread=tuple(round(spread_of(xs), 4) for xs in samples))
+        warn = profile_warnings("CPU AdamW", threads, samples)
+        for t, xs in zip(threads, samples):
+            log(f"calibrate: CPU AdamW {t:3d} threads  min {min(xs) / 1e9:.2f}  median "
+                f"{statistics.median(xs) / 1e9:.2f} G/s  spread {100 * spread_of(xs):.0f}% ({len(xs)} runs)")
         if gpu:
             log(f"calibrate: GPU AdamW, pinned copies of {sizes.copy_bytes / MI:.0f} MiB, contention")
             kw["gpu_rate"] = gpu_adam_rate(sizes.gpu_numel, sizes.subgroup_numel)
             cp = Copies(sizes.copy_bytes)
             kw.update(copy_rates(cp, sizes.copies))
             bw = max(kw["h2d_duplex_bw"], kw["d2h_duplex_bw"])
-            rows = [contended(prob, cp, t, sizes.min_s, bw, r) for t, r in zip(threads, cpu)]
+            reps = [[contended(prob, cp, t, sizes.min_s, bw, r) for t, r in zip(threads, cpu)]
+                    for _ in range(REPEATS)]  # round-robin over the thread counts
+            cols = [[[rep[i][j] for rep in reps] for i in range(len(threads))] for j in range(3)]
+            rows = [tuple(statistics.median(cols[j][i]) for j in range(3)) for i in range(len(threads))]
+            for t, i in zip(threads, range(len(threads))):
+                log(f"calibrate: beside DMA {t:3d} threads  CPU min/median {min(cols[0][i]) / 1e9:.2f}/"
+                    f"{statistics.median(cols[0][i]) / 1e9:.2f} G/s  H2D {min(cols[1][i]) / 1e9:.1f}/"
+                    f"{statistics.median(cols[1][i]) / 1e9:.1f}  D2H {min(cols[2][i]) / 1e9:.1f}/"
+                    f"{statistics.median(cols[2][i]) / 1e9:.1f} GB/s")
+            warn += profile_warnings("CPU AdamW + DMA", threads, cols[0])
+            warn += profile_warnings("H2D beside CPU AdamW", threads, cols[1], rising=False)
+            warn += profile_warnings("D2H beside CPU AdamW", threads, cols[2], rising=False)
             # DMA never speeds the CPU up: a contended rate above the alone one is noise.
             kw.update(cpu_rate_dma=tuple(min(r[0], c) for r, c in zip(rows, cpu)),
                       h2d_bw_cpu=tuple(r[1] for r in rows), d2h_bw_cpu=tuple(r[2] for r in rows))
             del cp
+        kw["warnings"] = tuple(warn)
+        for w in warn:
+            log(f"calibrate: WARNING {w}")
     finally:
         prob.close()
     log(f"calibrate: {time.perf_counter() - t0:.1f} s")
-    return Calibration(
+    calib = Calibration(
         cpu_threads=tuple(threads), cpu_rate=tuple(cpu), gpu_name=gpu_name() if gpu else None,
         cpu_model=cpu_model(), torch_version=torch.__version__, cpu_impl=adam.cpu_impl(),
         host_cores=cores(), created=datetime.datetime.now().isoformat(timespec="seconds"), **kw)
+    # Host-memory traffic: the most the measurements above moved combined (docs/DESIGN.md §9.3).
+    return dataclasses.replace(calib, host_mem_bw=host_traffic_peak(calib)) if gpu else calib
 
 
 def table(c: Calibration) -> str:
@@ -349,9 +412,14 @@ def table(c: Calibration) -> str:
     for i, t in enumerate(c.cpu_threads):
         lines.append(f"{t:7d}  {g(c.cpu_rate[i])}       {g(col(c.cpu_rate_dma, i))}   "
                      f"{g(col(c.h2d_bw_cpu, i))}                 {g(col(c.d2h_bw_cpu, i))}")
+    if c.cpu_rate_spread is not None:
+        lines.append("spread (max-min)/median of CPU AdamW repeats: " + ", ".join(
+            f"{t}: {100 * x:.0f}%" for t, x in zip(c.cpu_threads, c.cpu_rate_spread)))
     lines += [f"GPU AdamW      {g(c.gpu_rate)} G elements/s",
               f"pinned H2D     {g(c.h2d_bw)} GB/s alone {g(c.h2d_duplex_bw)} GB/s duplex",
-              f"pinned D2H     {g(c.d2h_bw)} GB/s alone {g(c.d2h_duplex_bw)} GB/s duplex"]
+              f"pinned D2H     {g(c.d2h_bw)} GB/s alone {g(c.d2h_duplex_bw)} GB/s duplex",
+              f"host memory    {g(c.host_mem_bw)} GB/s peak combined traffic (CPU AdamW + copies)"]
+    lines += [f"WARNING {w}" for w in c.warnings]
     return "\n".join(lines)
 
 

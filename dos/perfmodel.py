@@ -71,6 +71,13 @@ class Calibration:
     """Pinned H2D bytes/s while D2H runs too."""
     d2h_duplex_bw: Optional[float] = None
     """Pinned D2H bytes/s while H2D runs too."""
+    host_mem_bw: Optional[float] = None
+    """Peak host-memory traffic, bytes/s, the update phase can move (CPU AdamW and the copies
+    share DRAM; docs/DESIGN.md §9.3): the most the calibration saw combined. None: no cap."""
+    cpu_rate_spread: Optional[Tuple[float, ...]] = None
+    """(max - min) / median of the repeated CPU AdamW measurements, per thread count."""
+    warnings: Tuple[str, ...] = ()
+    """What looked wrong when measured (a non-monotone or noisy profile)."""
     gpu_name: Optional[str] = None
     """torch.cuda.get_device_name (None: no GPU). Part of the machine key."""
     cpu_model: str = ""
@@ -94,7 +101,7 @@ class Calibration:
             v = getattr(self, name)
             if v is not None and (len(v) != n or min(v) <= 0):
                 raise ValueError(f"{name} needs {n} positive values (one per thread count), got {v}")
-        for name in ("gpu_rate", "h2d_bw", "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw"):
+        for name in ("gpu_rate", "h2d_bw", "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw", "host_mem_bw"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be positive or None, got {v}")
@@ -133,6 +140,19 @@ class Calibration:
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
         return cls(**d)
+
+
+def host_traffic_peak(calib: Calibration, grad_bytes: int = 2, param_bytes: int = 2) -> Optional[float]:
+    """The most host-memory bytes/s the calibration saw moved (docs/DESIGN.md §9.3): over thread
+    counts, CPU AdamW (24 B of state read and written, the gradient in, the weights out per
+    element) alone and beside the duplex copies, and the duplex copies alone."""
+    per = 2 * STATE_BYTES + grad_bytes + param_bytes
+    seen = [per * r for r in calib.cpu_rate]
+    if calib.cpu_rate_dma is not None and calib.h2d_bw_cpu is not None and calib.d2h_bw_cpu is not None:
+        seen += [per * r + h + d for r, h, d in zip(calib.cpu_rate_dma, calib.h2d_bw_cpu, calib.d2h_bw_cpu)]
+    if calib.h2d_duplex_bw and calib.d2h_duplex_bw:
+        seen.append(calib.h2d_duplex_bw + calib.d2h_duplex_bw)
+    return max(seen) if seen else None
 
 
 def machine_key(gpu_name: Optional[str], cpu_model: str, torch_version: str) -> str:
@@ -193,9 +213,9 @@ class Prediction:
     grad_d2h_s: float
     """Gradient D2H of CPU subgroups (overlapped with backward; not in total_s)."""
     total_s: float
-    """The update phase: the latest lane end, or a copy direction's lower bound."""
+    """The update phase: the latest lane end, or a copy direction's / host memory's lower bound."""
     bottleneck: str
-    """'cpu' | 'h2d' | 'gpu' | 'd2h' | 'none': what bounds total_s."""
+    """'cpu' | 'h2d' | 'gpu' | 'd2h' | 'host_mem' | 'none': what bounds total_s."""
 
 
 @dataclass(frozen=True)
@@ -274,11 +294,23 @@ def predict(plan: Plan, calib: Calibration, *, grad_bytes: int = 2, param_bytes:
     lanes = {"cpu": t_cpu + tail, "staged": t_staged, "gpu": gpu,
              "h2d": (STATE_BYTES * sum(staged) + param_bytes * n_cpu) / bw_up,
              "d2h": STATE_BYTES * sum(staged) / bw_down}
+    if calib.host_mem_bw:  # host DRAM: CPU AdamW's traffic, staged state both ways, uploads
+        lanes["host_mem"] = host_bytes(plan, grad_bytes, param_bytes, n_cpu) / calib.host_mem_bw
     total = max(lanes.values())
     return Prediction(cpu_s=t_cpu, h2d_s=h2d, d2h_s=d2h, gpu_s=gpu, upload_s=param_bytes * n_cpu / bw_up,
                       staged_s=t_staged, cpu_end_s=lanes["cpu"],
                       grad_d2h_s=grad_bytes * plan.numel(CPU) / bw_down,
                       total_s=total, bottleneck=_bottleneck(lanes, total, h2d, p_alone.gpu, d2h))
+
+
+def host_bytes(plan: Plan, grad_bytes: int = 2, param_bytes: int = 2,
+               n_cpu: Optional[float] = None) -> float:
+    """Host-memory bytes one update phase moves (docs/DESIGN.md §9.3): per CPU element the state
+    read and written, the gradient read, the weights written and read again by their upload; per
+    staged element the state each way. `n_cpu`: CPU elements left for step() (head start)."""
+    n_cpu = plan.numel(CPU) if n_cpu is None else n_cpu
+    return ((2 * STATE_BYTES + grad_bytes + 2 * param_bytes) * n_cpu
+            + 2 * STATE_BYTES * plan.numel(STAGED))
 
 
 def _bottleneck(lanes: Dict[str, float], total: float, h2d: float, gpu: float, d2h: float) -> str:

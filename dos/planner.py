@@ -9,13 +9,14 @@ refinement), the Planner only holds state and applies their answers.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from fractions import Fraction
 from typing import List, Optional
 
 import torch
 
-from . import perfmodel, refine
+from . import explore, perfmodel, refine
 from .config import EngineConfig
 from .partition import Layout
 from .plan import Plan, make_plan
@@ -60,6 +61,18 @@ class Planner:
         self.replans: List[dict] = []  # {"step", "plan", "predicted_step_s"} of every re-plan
         self.plan = self._initial_plan()
         self._lanes = self._dev = self._host = self._sync = self._tl = None
+        # Exploration (docs/DESIGN.md §9.6): stride="auto" keeps the plan measured fastest.
+        self.exploring = self.refining and _explores(device)
+        self.clock = time.perf_counter  # the host clock where no device event times a step
+        self.explorer: Optional[explore.Explorer] = None  # the exploration under way
+        self.explorations: List[dict] = []  # records of finished explorations
+        self.explore_steps, self.explore_s = 0, 0.0
+        self._explored_calib = None  # the rates once the kept plan settled after an exploration
+        self._explored_step = 0  # the step the last exploration ended
+        self._explored = False  # an exploration ended (or there was nothing to explore)
+        self._marks: List[tuple] = []  # (step, plan, mark): each step's start, not yet timed
+        self._step_plan = self._prev_step_plan = None  # the plans of the step under way / before
+        self.step_times: List[tuple] = []  # (step, seconds) measured, the last few
 
     @property
     def may_stage_later(self) -> bool:
@@ -98,21 +111,125 @@ class Planner:
             h = refine.head_start(progress.window_s, done, progress.backlog, self.calibration,
                                   self.plan.cpu_threads)
             self.head_start_s = h if not self.head_start_s else 0.5 * (self.head_start_s + h)
+        ran = self._step_plan  # the plan the previous step ran
+        if self.exploring:
+            self._time_steps(step)
         if self.sizing:
             self.sizing = False
             self._size_resident(step)
         elif self.refining and not starts_in_backward:
-            self._refine(step)
+            self._refine(step, ran)
+            if self.exploring:
+                self._explore(step)
+        self._prev_step_plan, self._step_plan = ran, self.plan
+        if self._marks and self._marks[-1][0] == step:
+            self._marks[-1][1] = self.plan
 
     def after_step(self, step: int, starts_in_backward: bool) -> None:
         """A lane that starts in backward re-plans after the update instead: the next backward
         starts it by the plan in force (a re-plan at the next step's start could hand an
         already-updated subgroup to the GPU). It uses the previous step's times too."""
         if self.refining and starts_in_backward:
-            self._refine(step)
+            self._refine(step, self._previous_plan)
+            if self.exploring:
+                self._explore(step)
+
+    # -- measuring and exploring ---------------------------------------------------------------
+    def _mark(self):
+        """A timestamp of now on the stream the iteration runs on: an event on the main stream
+        (CUDA; it completes once the GPU got there, so a GPU-bound step is timed by the GPU and a
+        host-bound one by the host) or the host clock."""
+        sync = self._sync
+        if sync is not None and getattr(sync, "is_async", False) and getattr(sync, "timing", False):
+            return sync.record("main")
+        return self.clock()
+
+    @staticmethod
+    def _elapsed(a, b) -> Optional[float]:
+        if isinstance(a, float) and isinstance(b, float):
+            return b - a
+        if isinstance(a, float) or isinstance(b, float):
+            return None
+        return a.elapsed_time(b) / 1e3 if b.query() else None  # never blocks
+
+    def _time_steps(self, step: int) -> None:
+        """At a step's start: mark it, and time every earlier step whose end (the next one's
+        start) has happened — a step's time is the iteration's period, from one `step()` to the
+        next, so all of it counts: the update phase and what it costs the forward and backward."""
+        self._marks.append([step, None, self._mark()])  # its plan: set once before_step decided
+        while len(self._marks) >= 2:
+            (s0, plan, a), (_, _, b) = self._marks[0], self._marks[1]
+            dt = self._elapsed(a, b)
+            if dt is None:
+                break
+            self._marks.pop(0)
+            self.observe(s0, plan, dt)
+        del self._marks[:-8]  # an unread event more than a few steps back is dropped
+
+    def observe(self, step: int, plan, seconds: float) -> None:
+        """A measured step: `seconds` for step `step`, run under `plan`. The Planner times steps
+        itself (`_time_steps`); a caller with a better clock may feed them here instead."""
+        if plan is None or step <= 1:
+            return  # the first step warms up (allocations, first kernels): never compared
+        self.step_times.append((step, seconds))
+        del self.step_times[:-64]
+        if self.explorer is not None and step >= self.explorer.start_step:
+            self.explorer.observe(plan, seconds)
+
+    def _explore(self, step: int) -> None:
+        """Start, advance or end an exploration; the plan for the next update is set here."""
+        ex = self.explorer
+        if ex is None:
+            if self._explored:
+                # The reference rates: those once the kept plan ran SETTLE steps (the rates of the
+                # lanes it runs move to it first); explore again once they drift.
+                if self._explored_calib is None:
+                    if step - self._explored_step >= explore.SETTLE:
+                        self._explored_calib = self.calibration
+                        if self.explorations:  # the kept plan under the rates fitted in situ
+                            self.explorations[-1]["refined_predicted_s"] = round(perfmodel.predict(
+                                self.plan, self.calibration, head_start_s=self.head_start_s,
+                                **self._bytes).total_s, 6)
+                    return
+                if (step - self._explored_step < explore.COOLDOWN
+                        or refine.drift(self._explored_calib, self.calibration) <= explore.EXPLORE_DRIFT):
+                    return
+            elif step < 2:
+                return  # the first step runs the model's choice and warms up
+            ex = self.explorer = explore.Explorer(
+                explore.candidates(self.plan, self.calibration, staging_slots=len(self._dev.slots),
+                                   max_threads=self.max_threads, head_start_s=self.head_start_s,
+                                   **self._bytes), start_step=step,
+                steps_per=explore.STEPS_PER, max_steps=explore.MAX_STEPS)
+            if len(ex.candidates) < 2:
+                self.explorer = None
+                self._explored, self._explored_calib, self._explored_step = True, None, step
+                return
+        nxt = ex.next_plan()
+        if nxt is not None:
+            if explore.key(nxt) != explore.key(self.plan):
+                self.set_plan(nxt.replace(source="explore"), step)
+            return
+        late = step - ex.start_step >= ex.length + explore.MAX_LAG
+        if not ex.finished and not late:
+            return  # the last measurements are still on their way: keep the plan
+        if ex.times:  # (late: the fastest of those measured; none: keep the plan)
+            best, _ = ex.best()
+            if explore.key(best) != explore.key(self.plan):
+                self.set_plan(best.replace(source="explored"), step)
+        self.explore_steps += ex.steps
+        self.explore_s += ex.cost_s()
+        self.explorations.append(dict(ex.to_record(), end_step=step))
+        self.explorer = None
+        self._explored, self._explored_calib, self._explored_step = True, None, step
 
     # -- decisions -----------------------------------------------------------------------------
-    def _refine(self, step: int) -> None:
+    @property
+    def _previous_plan(self):
+        """The plan the step before the one under way ran (the spans `totals()` reads)."""
+        return self._prev_step_plan
+
+    def _refine(self, step: int, ran=None) -> None:
         """Online refinement: the last step's lane times move the calibrated rates; a plan
         predicted >5% faster (same resident share and slots: nothing on the GPU is reallocated)
         replaces the current one. Safe at this point: gradients routed by the old plan are
@@ -120,7 +237,10 @@ class Planner:
         totals = self._tl.totals()
         if not totals:
             return
-        self.calibration = refine.update(self.calibration, self.plan, totals, **self._bytes)
+        self.calibration = refine.update(self.calibration, ran or self.plan, totals,
+                                         split_cpu=self.exploring, **self._bytes)
+        if self.exploring:
+            return  # the plan is chosen by measurement (_explore); the rates rank its candidates
         # The search runs on the host, in the CPU lane's path: search again only once the rates
         # (or the head start) moved; they settle within a few steps (docs/DESIGN.md §10).
         h, h_searched = self.head_start_s, self._searched_head_start
@@ -175,14 +295,25 @@ class Planner:
         self.replans.append(entry)
 
     def record(self, last_overlapped: int) -> dict:
-        """What online planning did: each re-plan (step, stride, shares, threads, prediction) and
-        the head start it last planned with (overlap_backward)."""
+        """What online planning did: each re-plan (step, stride, shares, threads, prediction), the
+        head start it last planned with (overlap_backward) and the explorations (§9.6): steps
+        spent, seconds spent beyond the kept plan, each candidate's prediction and measurement."""
         keep = ("stride", "staged_share", "resident_fraction", "cpu_threads", "staging_slots", "source")
         return {"head_start_s": round(self.head_start_s, 6), "last_overlapped": last_overlapped,
+                "exploring": self.exploring, "explore_steps": self.explore_steps,
+                "explore_s": round(self.explore_s, 6), "explorations": list(self.explorations),
                 "replans": [dict({k: e["plan"].get(k) for k in keep}, step=e["step"],
                                  predicted_step_s=e["predicted_step_s"],
                                  **({"free_gpu_gib": e["free_gpu_gib"]} if "free_gpu_gib" in e else {}))
                             for e in self.replans]}
+
+
+def _explores(device: torch.device) -> bool:
+    """Whether stride="auto" explores its candidates on this device: CUDA parameters with
+    DOS_EXPLORE=1. Opt-in until the H200 planner sweeps (experiments/sweeps/planner-*.yaml) have
+    measured it: its CUDA event timing has run only in the CPU tests' stand-in so far.
+    (CPU parameters have no staged lane worth timing; tests switch it on.)"""
+    return device.type == "cuda" and os.environ.get("DOS_EXPLORE") == "1"
 
 
 def _calibration(device: torch.device):

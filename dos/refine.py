@@ -15,7 +15,7 @@ def drift(a: Calibration, b: Calibration) -> float:
     """Largest relative difference between the rates of two calibrations (0: the same)."""
     worst = 0.0
     for name in ("cpu_rate", "cpu_rate_dma", "h2d_bw_cpu", "d2h_bw_cpu", "gpu_rate", "h2d_bw",
-                 "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw"):
+                 "d2h_bw", "h2d_duplex_bw", "d2h_duplex_bw", "host_mem_bw"):
         x, y = getattr(a, name), getattr(b, name)
         if x is None or y is None:
             continue
@@ -50,7 +50,7 @@ def _scale(values, f: float):
 
 
 def update(calib: Calibration, plan: Plan, lane_totals: Dict[str, float], *, alpha: float = 0.5,
-           grad_bytes: int = 2, param_bytes: int = 2) -> Calibration:
+           grad_bytes: int = 2, param_bytes: int = 2, split_cpu: bool = False) -> Calibration:
     """Online refinement: moves the rates a step `alpha` towards those a measured update phase
     implies (an exponential moving average of the implied rates).
 
@@ -59,7 +59,9 @@ def update(calib: Calibration, plan: Plan, lane_totals: Dict[str, float], *, alp
     geometrically. The CPU factor scales every thread count alike (a foreign load is assumed to
     slow them all), alone and under DMA; the H2D / D2H factors scale every rate of that direction.
     Uploads and the span are not used (too small / a mix of everything). The CPU lane's busy
-    time is its whole work's, also where part of it ran during backward (overlap_backward)."""
+    time is its whole work's, also where part of it ran during backward (overlap_backward).
+    `split_cpu` (exploration, which runs plans with and without staged work): a step without staged
+    work moves only the CPU rates alone, one with it only those under DMA (docs/DESIGN.md §9.6)."""
     pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes)
     kw = {}
 
@@ -68,7 +70,17 @@ def update(calib: Calibration, plan: Plan, lane_totals: Dict[str, float], *, alp
         return None if r is None else (1 - alpha) + alpha * r
 
     f = factor(pred.cpu_s, "cpu") if plan.numel(CPU) else None
-    if f is not None:
+    if f is not None and split_cpu and calib.cpu_rate_dma is not None:
+        # A plan without staged work ran the CPU lane alone: it moves the alone rates; a plan with
+        # it mostly beside the copies: the rates under DMA (never above the alone ones).
+        if plan.staged_order:
+            dma = _scale(calib.cpu_rate_dma, f)
+            kw.update(cpu_rate_dma=tuple(min(d, a) for d, a in zip(dma, calib.cpu_rate)))
+        else:
+            alone = _scale(calib.cpu_rate, f)
+            kw.update(cpu_rate=alone,
+                      cpu_rate_dma=tuple(min(d, a) for d, a in zip(calib.cpu_rate_dma, alone)))
+    elif f is not None:
         kw.update(cpu_rate=_scale(calib.cpu_rate, f), cpu_rate_dma=_scale(calib.cpu_rate_dma, f))
     if calib.has_gpu:
         f = factor(pred.gpu_s, "gpu") if plan.numel(STAGED) + plan.numel(RESIDENT) else None

@@ -356,6 +356,8 @@ def test_calibrate_measures_the_cpu(cache, tmp_path, capsys):
     c = calibrate.measure(TINY, threads=[1, 2], gpu=False, log=lambda *_: None)
     assert c.cpu_threads == (1, 2) and min(c.cpu_rate) > 1e6 and not c.has_gpu
     assert c.gpu_name is None and c.cpu_rate_dma is None and c.cpu_impl
+    assert len(c.cpu_rate_spread) == 2 and all(x >= 0 for x in c.cpu_rate_spread)
+    assert c.host_mem_bw is None  # no copies measured: no cap
     assert calibrate.load_or_none() is None
     if not torch.cuda.is_available():
         assert calibrate.cache_path() == cache / f"{c.key}.json"
@@ -363,7 +365,8 @@ def test_calibrate_measures_the_cpu(cache, tmp_path, capsys):
     assert calibrate.load_or_none() == c
     assert calibrate.main(["--cached", "--out", str(tmp_path / "c.json")]) == 0  # no measuring
     assert pm.Calibration.from_json((tmp_path / "c.json").read_text()) == c
-    assert "CPU AdamW" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CPU AdamW" in out and "spread" in out
     plan, pred = pm.choose((2**20,) * 4, c, free_gpu_bytes=0, max_threads=2)
     assert set(plan.lanes) == {CPU} and pred.total_s > 0
 
@@ -478,3 +481,66 @@ def test_drift_measures_the_largest_relative_rate_change():
     moved = with_(H200, cpu_rate=tuple(r * 1.1 for r in H200.cpu_rate), gpu_rate=H200.gpu_rate * 0.97)
     assert rf.drift(H200, moved) == pytest.approx(0.1)
     assert rf.drift(H200, with_(H200, h2d_bw=H200.h2d_bw * 1.02)) == pytest.approx(0.02)
+
+
+# -- host-memory traffic (docs/DESIGN.md §9.3) and the calibration's own spread -------------------
+
+def test_host_memory_cap_bounds_the_prediction():
+    import dataclasses as dc
+    from fractions import Fraction
+
+    plan = pm.build_plan((10**8,) * 12, resident=0, staged_share=Fraction(1, 2), cpu_threads=16,
+                         staging_slots=3)
+    free = pm.predict(plan, pm.DESIGN_H200)
+    assert pm.DESIGN_H200.host_mem_bw is None and free.bottleneck != "host_mem"
+    nbytes = pm.host_bytes(plan)
+    assert nbytes == 30 * plan.numel("cpu") + 24 * plan.numel("staged")
+    wide = pm.predict(plan, dc.replace(pm.DESIGN_H200, host_mem_bw=1e15))
+    assert wide.total_s == free.total_s
+    tight = pm.predict(plan, dc.replace(pm.DESIGN_H200, host_mem_bw=nbytes / (2 * free.total_s)))
+    assert tight.bottleneck == "host_mem" and tight.total_s == pytest.approx(2 * free.total_s)
+    # the peak the calibration saw: CPU AdamW beside the copies, at some thread count
+    peak = pm.host_traffic_peak(pm.DESIGN_H200)
+    c = pm.DESIGN_H200
+    assert peak == max([28 * r for r in c.cpu_rate] + [28 * r + h + d for r, h, d in
+                        zip(c.cpu_rate_dma, c.h2d_bw_cpu, c.d2h_bw_cpu)] + [c.h2d_duplex_bw + c.d2h_duplex_bw])
+    # old profiles (no field) still load, uncapped; drift sees the new rate
+    import json
+    d = json.loads(c.to_json())
+    d.pop("host_mem_bw"), d.pop("warnings"), d.pop("cpu_rate_spread")
+    old = pm.Calibration.from_json(json.dumps(d))
+    assert old.host_mem_bw is None and old.warnings == ()
+    assert rf.drift(dc.replace(c, host_mem_bw=100e9), dc.replace(c, host_mem_bw=150e9)) == pytest.approx(0.5)
+    capped = dc.replace(c, host_mem_bw=160e9, warnings=("x",), cpu_rate_spread=(0.1,) * 5)
+    assert pm.Calibration.from_json(capped.to_json()) == capped
+
+
+def test_calibration_reports_spread_and_warns_on_odd_profiles():
+    w = calibrate.profile_warnings("CPU AdamW", [8, 12, 16],
+                                   [[4e9, 4.1e9, 4.0e9], [4.6e9, 4.7e9, 4.6e9], [3.9e9, 5.3e9, 4.4e9]])
+    assert any("non-monotone" in x and "16 threads" in x for x in w)
+    assert any("noisy at 16 threads" in x for x in w) and not any("noisy at 8" in x for x in w)
+    assert calibrate.profile_warnings("H2D", [1, 2], [[50e9] * 3, [48e9] * 3], rising=False) == []
+    assert calibrate.spread_of([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    assert calibrate.spread_of([2.0]) == 0.0
+
+
+def test_split_cpu_refinement_moves_alone_and_dma_rates_apart():
+    from fractions import Fraction
+
+    c = pm.DESIGN_H200
+    numels = (10**8,) * 12
+    all_cpu = pm.build_plan(numels, resident=0, staged_share=Fraction(0), cpu_threads=16, staging_slots=3)
+    mixed = pm.build_plan(numels, resident=0, staged_share=Fraction(1, 2), cpu_threads=16, staging_slots=3)
+    # all-CPU measured 2x slower than predicted: only the alone rates move (dma capped by them)
+    slow = rf.update(c, all_cpu, {"cpu": 2 * pm.predict(all_cpu, c).cpu_s}, split_cpu=True)
+    assert slow.cpu_rate == pytest.approx(tuple(0.75 * r for r in c.cpu_rate))
+    assert all(d <= a for d, a in zip(slow.cpu_rate_dma, slow.cpu_rate))
+    assert slow.cpu_rate_dma == tuple(min(d, a) for d, a in zip(c.cpu_rate_dma, slow.cpu_rate))
+    # mixed measured faster: only the rates under DMA move, never above the alone ones
+    fast = rf.update(c, mixed, {"cpu": 0.5 * pm.predict(mixed, c).cpu_s}, split_cpu=True)
+    assert fast.cpu_rate == c.cpu_rate
+    assert all(c.cpu_rate_dma[i] < fast.cpu_rate_dma[i] <= c.cpu_rate[i] for i in range(5))
+    # without split_cpu: one factor for both, as before
+    both = rf.update(c, all_cpu, {"cpu": 2 * pm.predict(all_cpu, c).cpu_s})
+    assert both.cpu_rate_dma == pytest.approx(tuple(0.75 * r for r in c.cpu_rate_dma))

@@ -1,0 +1,166 @@
+"""PURE: exploration — plans chosen from the engine's own measurements (docs/DESIGN.md §9.6).
+
+In the first steps of a run (stride="auto") the Planner tries the plans the performance model ranks
+near the best — always all-CPU and a staged plan (stride 2) too — each for a few consecutive steps,
+times each step (the iteration's period, measured by the Planner), and keeps the fastest measured.
+The model only proposes; the clock decides. Cost is bounded: at most `steps_per` steps per
+candidate and `max_steps` in all (fewer candidates when they would not fit).
+
+`candidates` ranks the plans a running engine may switch to (same resident subgroups, the slots
+already allocated); `Explorer` holds one exploration's schedule and measurements. No torch, no
+clock here: the Planner (dos/planner.py) feeds measured seconds in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Dict, List, Optional, Tuple
+
+from .perfmodel import Calibration, build_plan, predict, shares
+from .plan import Plan
+
+STEPS_PER = 2       # steps each candidate runs
+MAX_STEPS = 12      # steps one exploration may take (the schedule)
+N_BEST = 3          # the model's best plans tried, besides all-CPU and stride 2
+EXPLORE_DRIFT = 0.2  # explore again once a refined rate moved this much since the last exploration
+COOLDOWN = 50       # ... but not within this many steps of the last one
+SETTLE = 5          # steps of the kept plan before the reference rates for drift are taken
+MAX_LAG = 6         # steps past the schedule an exploration waits for its last measurements
+
+
+def key(plan: Plan) -> Tuple:
+    """What makes two plans the same for the update phase."""
+    return plan.lanes, plan.cpu_threads, plan.staging_slots
+
+
+def candidates(plan: Plan, calib: Calibration, *, staging_slots: int, max_threads: int,
+               n_best: int = N_BEST, grad_bytes: int = 2, param_bytes: int = 2,
+               head_start_s: float = 0.0) -> List[Tuple[Plan, float]]:
+    """(plan, predicted update phase) to try, fastest predicted first: the `n_best` best by the
+    model, `plan` itself, all-CPU and stride 2 (a staged plan; where slots are allocated). All keep
+    `plan`'s resident subgroups and use the `staging_slots` allocated (a running engine can move
+    subgroups only between the CPU and staged lanes) at the current or the most threads."""
+    numels, r = plan.numels, len(plan.resident)
+    kw = dict(grad_bytes=grad_bytes, param_bytes=param_bytes, head_start_s=head_start_s)
+
+    def make(share: Fraction, t: int) -> Plan:
+        return build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
+                          staging_slots=staging_slots, placement=plan.placement)
+
+    if plan.resident != tuple(range(r)):  # build_plan makes the first subgroups resident
+        return [(plan, predict(plan, calib, **kw).total_s)]
+    threads = sorted({plan.cpu_threads, max_threads})
+    if staging_slots <= 0 or r >= len(numels) or not calib.has_gpu:
+        searched = [Fraction(0)] if r < len(numels) else []
+    else:
+        searched = shares()
+    def alike(p: Plan) -> Tuple:  # plans that split the work alike: one of them is enough
+        return round(p.share("staged"), 2), p.cpu_threads
+
+    def timed(p: Plan) -> Tuple[Plan, float]:
+        s = predict(p, calib, **kw).total_s
+        return p.replace(predicted_step_s=s), s
+
+    pool: Dict[Tuple, Tuple[Plan, float]] = {}
+    for share in searched:
+        for t in threads:
+            p, s = timed(make(share, t))
+            if alike(p) not in pool or s < pool[alike(p)][1]:
+                pool[alike(p)] = (p, s)
+    ranked = sorted(pool.values(), key=lambda e: (e[1], -e[0].cpu_threads))
+    chosen: Dict[Tuple, Tuple[Plan, float]] = {alike(p): (p, s) for p, s in ranked[:n_best]}
+    must = [plan]
+    if r < len(numels):
+        must.append(make(Fraction(0), max_threads))
+        if staging_slots > 0 and calib.has_gpu:
+            must.append(make(Fraction(1, 2), max_threads))
+    for p in must:
+        chosen.setdefault(alike(p), timed(p))
+    return sorted(chosen.values(), key=lambda e: (e[1], -e[0].cpu_threads))
+
+
+@dataclass
+class Explorer:
+    """One exploration: a schedule of candidates (each `steps_per` consecutive steps; as many
+    candidates as `max_steps` holds, in the order given), their measured step times, the best."""
+
+    candidates: List[Tuple[Plan, float]]
+    start_step: int = 0
+    steps_per: int = STEPS_PER
+    max_steps: int = MAX_STEPS
+    times: Dict[Tuple, List[float]] = field(default_factory=dict)
+    steps: int = 0  # steps measured under a candidate of this exploration
+    spent: List[float] = field(default_factory=list)  # every measured step, in order
+    _issued: int = 0  # schedule positions handed out
+
+    def __post_init__(self):
+        keep = max(1, self.max_steps // max(1, self.steps_per))
+        self.candidates = list(self.candidates)[:keep]
+        self._by_key = {key(p): p for p, _ in self.candidates}
+        self._order = [p for p, _ in self.candidates for _ in range(self.steps_per)]
+
+    def next_plan(self) -> Optional[Plan]:
+        """The plan for the next step of the schedule; None once it is exhausted."""
+        if self._issued >= len(self._order):
+            return None
+        self._issued += 1
+        return self._order[self._issued - 1]
+
+    def observe(self, plan: Plan, seconds: float) -> None:
+        """A measured step (seconds) run under `plan`; steps under other plans are ignored."""
+        k = key(plan)
+        if k not in self._by_key or seconds is None or seconds <= 0:
+            return
+        self.times.setdefault(k, []).append(seconds)
+        self.steps += 1
+        self.spent.append(seconds)
+
+    @property
+    def length(self) -> int:
+        """Steps in the schedule."""
+        return len(self._order)
+
+    @property
+    def scheduled(self) -> bool:
+        """Every schedule position handed out."""
+        return self._issued >= len(self._order)
+
+    @property
+    def finished(self) -> bool:
+        """The schedule ran and every candidate has a measurement."""
+        return self.scheduled and all(key(p) in self.times for p, _ in self.candidates)
+
+    def measured(self, plan: Plan) -> Optional[float]:
+        """A candidate's step time: the least of its measured steps (the first one after a switch
+        may carry the switch; a foreign hiccup only lengthens a step)."""
+        ts = self.times.get(key(plan))
+        return min(ts) if ts else None
+
+    def best(self) -> Tuple[Plan, float]:
+        """The fastest measured candidate (ties: the model's order) and its step time."""
+        timed = [(self.measured(p), i, p) for i, (p, _) in enumerate(self.candidates)
+                 if self.measured(p) is not None]
+        if not timed:
+            raise ValueError("no candidate was measured")
+        s, _, p = min(timed)
+        return p, s
+
+    def cost_s(self) -> float:
+        """Seconds the measured exploration steps took beyond the kept plan's step time."""
+        if not self.spent or not self.times:
+            return 0.0
+        _, best = self.best()
+        return max(0.0, sum(self.spent) - best * len(self.spent))
+
+    def to_record(self) -> dict:
+        kept = self.best()[0] if self.times else None
+        return {"start_step": self.start_step, "steps": self.steps, "explore_s": round(self.cost_s(), 6),
+                "kept": None if kept is None else _label(kept),
+                "candidates": [dict(_label(p), predicted_s=round(pred, 6),
+                                    measured_s=None if self.measured(p) is None else round(self.measured(p), 6))
+                               for p, pred in self.candidates]}
+
+
+def _label(plan: Plan) -> dict:
+    return {"stride": plan.stride, "staged_share": round(plan.share("staged"), 6),
+            "cpu_threads": plan.cpu_threads}

@@ -1,0 +1,298 @@
+"""Exploration (dos/explore.py, Planner): stride="auto" keeps the plan measured fastest. CPU only:
+a fake clock times the steps, a calibration is injected, and parameters on the CPU run every lane."""
+import copy
+import dataclasses
+import io
+from fractions import Fraction
+
+import pytest
+import torch
+
+import dos
+import dos.planner
+from dos import explore
+from dos.perfmodel import DESIGN_H200, build_plan
+from tests.helpers import make_model, max_diff, pair, train
+
+
+class FakeClock:
+    """The Planner reads the clock once per step, at its start: each read advances by the cost of
+    the plan the step before ran, so a step's measured time is `cost(plan it ran)`."""
+
+    def __init__(self, planner, cost):
+        self.t, self.planner, self.cost = 100.0, planner, cost
+
+    def __call__(self):
+        self.t += self.cost(self.planner._step_plan or self.planner.plan)
+        return self.t
+
+
+def near(share):  # fastest at the staged share `share`, 1 s per unit of share away from it
+    return lambda plan: 1.0 + abs(plan.share("staged") - share)
+
+
+@pytest.fixture
+def exploring(monkeypatch):
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_explores", lambda device: True)
+
+
+def explored_pair(cost, **kw):
+    a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
+                          cpu_threads=2, max_grad_norm=0.5, **kw)
+    opt.planner.clock = FakeClock(opt.planner, cost)
+    return a, opt, b, ref
+
+
+# -- pure ------------------------------------------------------------------------------------------
+
+def _plan(share, numels=(100,) * 24, slots=3):
+    return build_plan(numels, resident=0, staged_share=Fraction(share), cpu_threads=8, staging_slots=slots)
+
+
+def test_candidates_rank_by_the_model_and_always_try_all_cpu_and_a_staged_plan():
+    cur = _plan(Fraction(1, 3))
+    cands = explore.candidates(cur, DESIGN_H200, staging_slots=3, max_threads=16)
+    shares = [p.share("staged") for p, _ in cands]
+    assert 0.0 in shares and 0.5 in shares  # all-CPU, stride 2
+    assert any(explore.key(p) == explore.key(cur) for p, _ in cands)  # the model's own pick
+    preds = [s for _, s in cands]
+    assert preds == sorted(preds) and all(p.predicted_step_s == s for p, s in cands)
+    assert all(p.resident == () and p.staging_slots in (0, 3) for p, _ in cands)
+    # nothing to move: no slots allocated, or everything resident
+    assert [p.share("staged") for p, _ in explore.candidates(_plan(0, slots=0), DESIGN_H200,
+                                                              staging_slots=0, max_threads=8)] == [0.0]
+
+
+def test_explorer_keeps_the_fastest_measured_within_its_budget():
+    cands = [(_plan(s), 0.1 * i) for i, s in enumerate([Fraction(1, 3), Fraction(0), Fraction(1, 2),
+                                                        Fraction(1), Fraction(1, 4), Fraction(2, 3),
+                                                        Fraction(1, 5)])]
+    measured = {explore.key(p): t for (p, _), t in zip(cands, [1.3, 1.2, 1.0, 1.6, 1.25, 1.4, 1.1])}
+    ex = explore.Explorer(cands, steps_per=2, max_steps=12)
+    assert len(ex.candidates) == 6  # 7 would not fit 12 steps
+    runs = []
+    while (p := ex.next_plan()) is not None:
+        runs.append(explore.key(p))
+        ex.observe(p, measured[explore.key(p)])
+    assert len(runs) == 12 and max(runs.count(k) for k in runs) == 2
+    assert ex.finished and ex.steps == 12
+    best, t = ex.best()
+    assert t == 1.0 and best.share("staged") == 0.5
+    assert ex.cost_s() == pytest.approx(2 * (0.3 + 0.2 + 0 + 0.6 + 0.25 + 0.4))
+    rec = ex.to_record()
+    assert rec["kept"]["stride"] == 2 and rec["steps"] == 12
+    ex.observe(_plan(Fraction(1, 7)), 0.01)  # not a candidate: ignored
+    assert ex.best()[1] == 1.0
+
+
+def test_explorer_waits_for_late_measurements():
+    cands = [(_plan(Fraction(0)), 1.0), (_plan(Fraction(1, 2)), 1.1)]
+    ex = explore.Explorer(cands, steps_per=1, max_steps=4)
+    a, b = ex.next_plan(), ex.next_plan()
+    assert ex.next_plan() is None and ex.scheduled and not ex.finished
+    ex.observe(a, 2.0)
+    assert not ex.finished
+    ex.observe(b, 1.5)
+    assert ex.finished and ex.best()[0] is b
+
+
+# -- in the engine, with a fake clock ------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", [0.0, 0.5, 1.0])
+def test_exploration_keeps_the_fastest_plan_bounded_and_exact(exploring, target):
+    a, opt, b, ref = explored_pair(near(target))
+    train("transformer", a, opt, 18)
+    train("transformer", b, ref, 18)
+    assert max_diff(a, b) <= 1e-5  # every switch kept the oracle
+    rec = opt.online_record()
+    assert rec["exploring"] and len(rec["explorations"]) == 1
+    ex = rec["explorations"][0]
+    assert 0 < rec["explore_steps"] <= explore.MAX_STEPS + 1
+    assert ex["steps"] == rec["explore_steps"]
+    shares = [c["staged_share"] for c in ex["candidates"]]
+    assert 0.0 in shares and any(abs(s - 0.5) < 0.01 for s in shares)
+    assert all(c["measured_s"] is not None for c in ex["candidates"])
+    best = min(ex["candidates"], key=lambda c: c["measured_s"])
+    assert ex["kept"] == {k: best[k] for k in ("stride", "staged_share", "cpu_threads")}
+    assert opt.plan.share("staged") == pytest.approx(best["staged_share"], abs=1e-6)
+    if target in shares:  # the fake machine's optimum was among the candidates: it is kept
+        assert opt.plan.share("staged") == pytest.approx(target, abs=1e-6)
+    # cost: the seconds beyond the kept plan's, as the fake clock ran them
+    kept_s = 1.0 + abs(best["staged_share"] - target)
+    assert rec["explore_s"] == pytest.approx(
+        sum(c["measured_s"] - kept_s for c in ex["candidates"]) * explore.STEPS_PER, rel=1e-3, abs=1e-3)
+    assert rec["explore_s"] <= explore.MAX_STEPS * 1.0  # at most 1 s a step on this fake machine
+    assert opt.replans[-1]["plan"]["source"] in ("explored", "explore")
+
+
+def test_exploration_keeps_the_resident_share(exploring):
+    a, opt, b, ref = explored_pair(near(0.5), gpu_fraction=0.25)
+    resident = opt.plan.resident
+    assert resident
+    train("transformer", a, opt, 16)
+    train("transformer", b, ref, 16)
+    assert max_diff(a, b) <= 1e-5
+    assert opt.planner.explorations and opt.plan.resident == resident
+    assert all(e["plan"]["resident_fraction"] == opt.plan.to_record()["resident_fraction"]
+               for e in opt.replans)
+
+
+def test_exploration_with_the_cpu_lane_in_backward_switches_after_the_update(exploring):
+    """overlap_backward: the plan changes at after_step (the next backward starts the CPU lane by
+    it); the step times are still attributed to the plan each step ran; still the oracle."""
+    a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
+                          cpu_threads=2, overlap_backward=True)
+    opt.planner.clock = FakeClock(opt.planner, near(0.5))
+    train("transformer", a, opt, 18, accum=2)
+    train("transformer", b, ref, 18, accum=2)
+    assert max_diff(a, b) <= 1e-5
+    ex = opt.planner.explorations[0]
+    for c in ex["candidates"]:
+        assert c["measured_s"] == pytest.approx(1.0 + abs(c["staged_share"] - 0.5), abs=1e-6)
+    assert opt.plan.share("staged") == pytest.approx(0.5, abs=0.01)
+
+
+def test_exploration_explores_again_when_the_rates_drift(exploring, monkeypatch):
+    monkeypatch.setattr(dos.planner.refine, "update", lambda calib, plan, totals, **kw: calib)
+    monkeypatch.setattr(explore, "COOLDOWN", 8)
+    a, opt, b, ref = explored_pair(near(0.5))
+    train("transformer", a, opt, 24)
+    train("transformer", b, ref, 24)
+    assert len(opt.planner.explorations) == 1  # rates steady: no second exploration
+    assert opt.planner.explorations[0]["refined_predicted_s"] > 0  # the kept plan, rates fitted in situ
+    assert opt.plan.share("staged") == pytest.approx(0.5, abs=0.01)
+    # The machine changes: the CPU got 3x slower, and all-CPU is now what the clock likes best.
+    cal = opt.planner.calibration
+    opt.planner.calibration = dataclasses.replace(cal, cpu_rate=tuple(r / 3 for r in cal.cpu_rate))
+    opt.planner.clock.cost = near(0.0)
+    train("transformer", a, opt, 16, start=24)
+    train("transformer", b, ref, 16, start=24)
+    assert len(opt.planner.explorations) == 2
+    assert opt.plan.share("staged") == 0.0
+    assert opt.online_record()["explore_steps"] > opt.planner.explorations[0]["steps"]
+    assert max_diff(a, b) <= 1e-5
+
+
+def test_no_exploration_without_a_calibration_or_on_fixed_strides(monkeypatch):
+    monkeypatch.setattr(dos.planner, "_explores", lambda device: True)
+    opt = dos.DeepOptimizerStates(make_model("odd").parameters(), stride="auto")
+    assert not opt.planner.exploring  # no calibration on CPU parameters
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    opt = dos.DeepOptimizerStates(make_model("odd").parameters(), stride=2)
+    assert not opt.planner.exploring
+    assert not dos.DeepOptimizerStates(make_model("odd").parameters(), stride="auto",
+                                       replan=False).planner.exploring
+
+
+def test_resume_of_a_run_that_switched_plans_is_bitwise(exploring):
+    """state_dict after exploration switched plans, loaded into a fresh optimizer that runs the
+    same plan from there on: bitwise what the uninterrupted run does."""
+    kw = dict(lr=3e-3, weight_decay=0.05, subgroup_numel=500, placement="interleaved", stride="auto",
+              cpu_threads=2, max_grad_norm=1.0)
+    a = make_model("transformer")
+    opt = dos.DeepOptimizerStates(a.parameters(), **kw)
+    opt.planner.clock = FakeClock(opt.planner, near(0.5))
+    train("transformer", a, opt, 16)
+    assert len({r["staged_share"] for r in opt.online_record()["replans"]}) >= 3  # it switched
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    opt.planner.exploring = opt.planner.refining = False  # no further switch in either run
+    c = make_model("transformer", seed=123)
+    c.load_state_dict(ck["model"])
+    opt_c = dos.DeepOptimizerStates(c.parameters(), **kw)
+    opt_c.load_state_dict(ck["opt"])
+    opt_c.planner.exploring = opt_c.planner.refining = False
+    opt_c.planner.set_plan(opt.plan, 16)
+    train("transformer", a, opt, 6, start=16)
+    train("transformer", c, opt_c, 6, start=16)
+    for p, q in zip(a.parameters(), c.parameters()):
+        assert torch.equal(p, q)
+    for (i, x), (j, y) in zip(opt.state_dict()["state"].items(), opt_c.state_dict()["state"].items()):
+        assert i == j and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_exploration_ends_when_measurements_never_come(exploring):
+    """A step time lost (say an unread event dropped): the exploration still ends, MAX_LAG steps
+    after its schedule, with the fastest of what was measured."""
+    a, opt, b, ref = explored_pair(near(0.0))
+    pl = opt.planner
+    seen = pl.observe
+
+    def lossy(step, plan, seconds):  # every measurement of stride 2 is lost
+        if plan is not None and abs(plan.share("staged") - 0.5) < 0.01:
+            return
+        seen(step, plan, seconds)
+
+    pl.observe = lossy
+    train("transformer", a, opt, 2 + explore.MAX_STEPS + explore.MAX_LAG + 2)
+    ex = pl.explorations[0]
+    assert any(c["measured_s"] is None for c in ex["candidates"])
+    assert opt.plan.share("staged") == 0.0 and pl.explorer is None
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at a GPU time, done once the fake GPU got there."""
+
+    def __init__(self, gpu, t):
+        self.gpu, self.t = gpu, t
+
+    def query(self):
+        return self.gpu.now >= self.t
+
+    def elapsed_time(self, other):
+        return 1e3 * (other.t - self.t)
+
+
+def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
+    """On CUDA a step is timed by events on the main stream, read with query() at later steps: a
+    step whose end event the GPU has not reached yet is timed later, to the plan it ran."""
+    a, opt, b, ref = explored_pair(near(0.5))
+    pl = opt.planner
+
+    class Gpu:
+        now, t = 0.0, 0.0
+
+    class Sync:
+        is_async, timing = True, True
+
+        def record(self, name="main"):
+            Gpu.t += pl.clock.cost(pl._step_plan or pl.plan)
+            return FakeEvent(Gpu, Gpu.t)
+
+    pl._sync = Sync()  # only the Planner's marks use it
+    got = []
+    seen = pl.observe
+    pl.observe = lambda step, plan, s: (got.append((step, plan, s)), seen(step, plan, s))
+    for step in range(2, 8):
+        Gpu.now = Gpu.t  # the GPU is a step behind: at the last mark, not at the one recorded now
+        pl._time_steps(step)
+        pl._marks[-1][1] = pl.plan
+    assert [s for s, _, _ in got] == [2, 3, 4, 5]  # steps whose end the GPU has passed
+    assert all(s == pytest.approx(1.0 + abs(p.share("staged") - 0.5)) for _, p, s in got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_exploration_on_the_gpu_times_with_events_and_stays_exact(monkeypatch):
+    monkeypatch.setenv("DOS_EXPLORE", "1")  # opt-in on CUDA until the H200 sweeps have measured it
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    a, opt, b, ref = pair("transformer", "cuda", subgroup_numel=500, placement="interleaved",
+                          stride="auto", cpu_threads=2)
+    assert opt.planner.exploring
+    train("transformer", a, opt, 24, "cuda")
+    train("transformer", b, ref, 24, "cuda")
+    assert max_diff(a, b) <= 1e-5
+    rec = opt.online_record()
+    assert rec["explorations"] and 0 < rec["explore_steps"] <= explore.MAX_STEPS + explore.MAX_LAG
+    assert all(c["measured_s"] > 0 for c in rec["explorations"][0]["candidates"])
+
+
+def test_exploration_is_opt_in_on_cuda(monkeypatch):
+    """Until the H200 planner sweeps have measured it, exploration runs only with DOS_EXPLORE=1."""
+    monkeypatch.delenv("DOS_EXPLORE", raising=False)
+    assert not dos.planner._explores(torch.device("cuda")) and not dos.planner._explores(torch.device("cpu"))
+    monkeypatch.setenv("DOS_EXPLORE", "1")
+    assert dos.planner._explores(torch.device("cuda")) and not dos.planner._explores(torch.device("cpu"))
