@@ -11,7 +11,7 @@ import json
 import pandas as pd
 import pytest
 
-from dos.lab import results
+from dos.lab import checks, results
 from dos.lab import sweep as sw
 from dos.lab.bench import records
 from dos.lab.bench.spec import ConfigError, RunSpec
@@ -177,15 +177,15 @@ def test_summary_ratios_within_one_batch_and_the_fastest_baseline_of_equal_preci
 
 def test_headline_check_pass_miss_and_empty(tmp_path):
     _batch(tmp_path, MEDIANS)
-    chk = results.headline_check(results.rows(tmp_path))
+    chk = checks.headline_check(results.rows(tmp_path))
     assert chk.verdict == "PASS" and list(chk["verdict"]) == ["PASS"]
     slow = {**MEDIANS, "dos-interleaved": ("dos", {"placement": "interleaved"}, 1.2)}
     _batch(tmp_path / "slow", slow)
-    assert results.headline_check(results.rows(tmp_path / "slow")).verdict == "MISS"
+    assert checks.headline_check(results.rows(tmp_path / "slow")).verdict == "MISS"
     _batch(tmp_path / "few", MEDIANS, runs=2)  # fewer than 3 runs: no evidence
-    assert results.headline_check(results.rows(tmp_path / "few")).verdict == "MISS"
+    assert checks.headline_check(results.rows(tmp_path / "few")).verdict == "MISS"
     with pytest.raises(ValueError, match="empty input"):
-        results.headline_check(results.rows(tmp_path / "none"))
+        checks.headline_check(results.rows(tmp_path / "none"))
 
 
 def test_superseded_rows_are_ignored_by_readers(tmp_path):
@@ -203,7 +203,7 @@ def test_superseded_rows_are_ignored_by_readers(tmp_path):
 # ---------------------------------------------------------------- every check: PASS, MISS, empty
 
 def _verdicts(chk):
-    assert isinstance(chk, results.CheckTable) and {"target", "verdict"} <= set(chk.columns)
+    assert isinstance(chk, checks.CheckTable) and {"target", "verdict"} <= set(chk.columns)
     text = repr(chk)
     assert text.startswith(f"verdict: {chk.verdict}") and chk._repr_html_().startswith("<p><b>verdict:")
     return list(chk["verdict"])
@@ -222,11 +222,11 @@ def _stride_rows(tmp_path, errors, auto_s=1.0):
 
 
 def test_stride_check_pass_miss_empty(tmp_path):
-    assert _verdicts(results.stride_check(_stride_rows(tmp_path / "a", (0.01, 0.02, 0.05)))) == ["PASS"]
-    chk = results.stride_check(_stride_rows(tmp_path / "b", (0.01, 0.02, 0.30)))  # worst error 30%
+    assert _verdicts(checks.stride_check(_stride_rows(tmp_path / "a", (0.01, 0.02, 0.05)))) == ["PASS"]
+    chk = checks.stride_check(_stride_rows(tmp_path / "b", (0.01, 0.02, 0.30)))  # worst error 30%
     assert _verdicts(chk) == ["MISS"] and chk.verdict == "MISS"
     with pytest.raises(ValueError, match="empty input"):
-        results.stride_check(pd.DataFrame())
+        checks.stride_check(pd.DataFrame())
 
 
 def test_microbatch_check_pass_miss_empty(tmp_path):
@@ -234,11 +234,11 @@ def test_microbatch_check_pass_miss_empty(tmp_path):
         _row(tmp_path, "torch-gpu", 1.0 * mb, micro_batch=mb)
     _row(tmp_path, "dos", 2.2, placement="cpu", micro_batch=2)  # +10%
     _row(tmp_path, "dos", 2.6, placement="interleaved", micro_batch=2)  # +30%
-    chk = results.microbatch_check(results.rows(tmp_path)).set_index("key")
+    chk = checks.microbatch_check(results.rows(tmp_path)).set_index("key")
     assert _verdicts(chk) == ["PASS", "MISS"] and chk.loc["dos-cpu", "verdict"] == "PASS"
     assert chk.verdict == "MISS"
     with pytest.raises(ValueError, match="empty input"):
-        results.microbatch_check(results.rows(tmp_path / "none"))
+        checks.microbatch_check(results.rows(tmp_path / "none"))
 
 
 def test_convergence_check_pass_miss_empty():
@@ -246,25 +246,25 @@ def test_convergence_check_pass_miss_empty():
     steps = pd.DataFrame({"key": ["torch-gpu"] * 60 + ["dos-cpu"] * 60 + ["dos-gpu"] * 60,
                           "step": list(range(60)) * 3,
                           "loss": base + [x * 1.0001 for x in base] + [x * 1.02 for x in base]})
-    chk = results.convergence_check(steps)
+    chk = checks.convergence_check(steps)
     assert chk[chk["key"].eq("dos-cpu")]["verdict"].eq("PASS").all()
     assert chk[chk["key"].eq("dos-gpu")]["verdict"].eq("MISS").all() and chk.verdict == "MISS"
     _verdicts(chk)
-    assert results.convergence_check(steps[steps["key"].ne("dos-gpu")]).verdict == "PASS"
-    assert results.convergence_check(steps[steps["key"].ne("torch-gpu")]).verdict == "MISS"  # no baseline
+    assert checks.convergence_check(steps[steps["key"].ne("dos-gpu")]).verdict == "PASS"
+    assert checks.convergence_check(steps[steps["key"].ne("torch-gpu")]).verdict == "MISS"  # no baseline
     with pytest.raises(ValueError, match="empty input"):
-        results.convergence_check(pd.DataFrame(columns=["key", "step", "loss"]))
+        checks.convergence_check(pd.DataFrame(columns=["key", "step", "loss"]))
 
 
 def test_reference_check_pass_miss_empty(tmp_path):
     _row(tmp_path, "deepspeed-zero-offload", 1.91 * 1.05, model="1.3B")  # +5% of DESIGN.md §8
     _row(tmp_path, "deepspeed-superoffload", 3.21 * 0.6, model="1.3B")  # -40%
-    chk = results.reference_check(results.rows(tmp_path)).set_index("system")
+    chk = checks.reference_check(results.rows(tmp_path)).set_index("system")
     assert chk.loc["deepspeed-zero-offload", "verdict"] == "PASS"
     assert chk.loc["deepspeed-superoffload", "verdict"] == "MISS" and chk.verdict == "MISS"
     _verdicts(chk)
     with pytest.raises(ValueError, match="empty input"):
-        results.reference_check(results.rows(tmp_path / "none"))
+        checks.reference_check(results.rows(tmp_path / "none"))
 
 
 def test_capped_check_pass_miss_empty(tmp_path):
@@ -273,22 +273,22 @@ def test_capped_check_pass_miss_empty(tmp_path):
     _row(tmp_path, "dos", 2.0, placement="interleaved", gpu_fraction="auto", ts="2026-12-01T10:05:00+00:00", **cap)
     _row(tmp_path, "dos", 2.0, placement="interleaved", ts="2026-12-01T11:00:00+00:00", **cap)  # another call
     df = results.rows(tmp_path)
-    assert _verdicts(results.capped_check(df)) == ["PASS"]  # 0.33x in one call
-    later = results.capped_check(df, key="dos-interleaved")
+    assert _verdicts(checks.capped_check(df)) == ["PASS"]  # 0.33x in one call
+    later = checks.capped_check(df, key="dos-interleaved")
     assert not later["same_call"].iloc[0] and _verdicts(later) == ["MISS"]  # a ratio across calls
     slow = df.assign(iter_s=df["iter_s"].where(df["system"].ne("dos"), 5.0))
-    assert results.capped_check(slow).verdict == "MISS"  # 0.83x
-    none = results.capped_check(df[df["system"].eq("dos")])
+    assert checks.capped_check(slow).verdict == "MISS"  # 0.83x
+    none = checks.capped_check(df[df["system"].eq("dos")])
     assert none.empty and none.verdict == "MISS" and "no comparable rows" in repr(none)
     with pytest.raises(ValueError, match="empty input"):
-        results.capped_check(df.iloc[:0])
+        checks.capped_check(df.iloc[:0])
 
 
 def test_check_tables_keep_their_verdict_through_round_and_concat(tmp_path):
     steps = pd.DataFrame({"key": ["torch-gpu"] * 4 + ["dos-cpu"] * 4, "step": list(range(4)) * 2,
                           "loss": [3.0, 2.9, 2.95, 2.8] * 2})
-    chk = results.convergence_check(steps)
-    assert isinstance(chk.round(3), results.CheckTable) and chk.round(3).verdict == "PASS"
+    chk = checks.convergence_check(steps)
+    assert isinstance(chk.round(3), checks.CheckTable) and chk.round(3).verdict == "PASS"
     both = pd.concat([chk, chk])
-    assert isinstance(both, results.CheckTable) and both.verdict == "PASS"
+    assert isinstance(both, checks.CheckTable) and both.verdict == "PASS"
     assert json.loads(both.to_json(orient="records"))[0]["verdict"] == "PASS"

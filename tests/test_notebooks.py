@@ -18,7 +18,7 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 pytest.importorskip("seaborn")
 
-from dos.lab import figures, results  # noqa: E402
+from dos.lab import checks, figures, results  # noqa: E402
 from dos.lab.bench.spec import PLACEMENTS, SYSTEMS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_stride_check_computes_issue_4_numbers_from_the_records():
     2026-12-01 11:44, auto planned k=2 from its first step)."""
     rows = results.rows([ROOT / "experiments/results/stride-3b", ROOT / "experiments/results/stride-7b-40g"])
     calib = results.calibration(ROOT / "experiments/results/calibration/NVIDIA-H200-20261201-074856.json")
-    chk = results.stride_check(results.predictions(rows[rows["system"] == "dos"], calib)).set_index("panel")
+    chk = checks.stride_check(results.predictions(rows[rows["system"] == "dos"], calib)).set_index("panel")
     seven = "7B, GPU capped at 40 GiB"
     assert list(chk["runs"]) == [7, 7]  # k in 1, 2, 3, 4, 6, 8 and all-CPU; auto apart
     assert chk.loc["3B", "median_error"] == pytest.approx(0.056, abs=1e-3)
@@ -139,7 +139,7 @@ def test_stride_check_computes_issue_4_numbers_from_the_records():
     assert list(chk["verdict"]) == ["PASS", "PASS"] and chk.verdict == "PASS"
     # A model that predicts every run exactly has no error.
     exact = results.predictions(rows[rows["system"] == "dos"], calib).assign(predicted_s=lambda d: d["step_s"])
-    assert (results.stride_check(exact)["worst_error"] == 0).all()
+    assert (checks.stride_check(exact)["worst_error"] == 0).all()
 
 
 def test_lane_check_bounds_the_update_phase_by_host_memory_traffic():
@@ -174,23 +174,23 @@ def test_capped_check_compares_dos_with_the_fastest_twinflow_ratio_in_the_cap():
     interleaved 0.236x side by side with it; a dos run of another sweep (stride-7b-40g) is not
     compared."""
     rows = results.rows([ROOT / "experiments/results/twinflow-7b-40g", ROOT / "experiments/results/stride-7b-40g"])
-    (chk,) = results.capped_check(rows).to_dict("records")
+    (chk,) = checks.capped_check(rows).to_dict("records")
     assert (chk["model"], chk["gpu_cap_gib"], chk["best_ratio"], chk["sweep"]) == ("7B", 40, 0.9, "twinflow-7b-40g")
     assert chk["ratios_run"] == "0.8, 0.9"
     assert chk["vs_baseline"] == pytest.approx(0.258, abs=1e-3) and chk["vs_baseline"] <= 0.6
-    assert not chk["same_call"] and chk["apart_s"] > results.CALL_S
+    assert not chk["same_call"] and chk["apart_s"] > checks.CALL_S
     assert chk["verdict"] == "MISS"  # issue 16: a ratio across calls is no evidence
     assert chk["peak_gpu_gib"] <= 40 and chk["baseline_peak_gpu_gib"] <= 40
-    (inter,) = results.capped_check(rows, key="dos-interleaved").to_dict("records")
+    (inter,) = checks.capped_check(rows, key="dos-interleaved").to_dict("records")
     assert inter["vs_baseline"] == pytest.approx(0.236, abs=1e-3) and inter["same_call"]
     assert inter["verdict"] == "PASS"
     tf = rows[rows["key"].eq("deepspeed-twinflow")].set_index("ratio")
     auto = rows[rows["key"].eq("dos-auto") & rows["results_dir"].eq(tf["results_dir"].iloc[0])]
     assert auto["iter_s"].iloc[-1] / tf.loc[0.8, "iter_s"] == pytest.approx(0.239, abs=1e-3)  # its own call
-    assert results.capped_check(rows[rows["key"].ne("deepspeed-twinflow")]).empty
+    assert checks.capped_check(rows[rows["key"].ne("deepspeed-twinflow")]).empty
     faster = rows.assign(iter_s=rows["iter_s"].where(rows["key"].ne("deepspeed-twinflow"), 1.0))
-    assert results.capped_check(faster)["vs_baseline"].iloc[0] > 1  # the check can fail
-    assert results.capped_check(faster).verdict == "MISS"
+    assert checks.capped_check(faster)["vs_baseline"].iloc[0] > 1  # the check can fail
+    assert checks.capped_check(faster).verdict == "MISS"
 
 
 def test_reference_check_sets_deepspeed_rows_beside_design_section_8():
@@ -198,7 +198,7 @@ def test_reference_check_sets_deepspeed_rows_beside_design_section_8():
     SuperOffload is 28-44% faster than §8 without gradient clipping and matches §8's ratio to
     ZeRO-Offload with clipping 1.0 (1.669 side by side against 1.681; 3B +9%)."""
     rows = results.rows(sorted(p for p in (ROOT / "experiments/results").iterdir() if p.is_dir()))
-    chk = results.reference_check(rows).set_index(["sweep", "system", "model"]).sort_index()
+    chk = checks.reference_check(rows).set_index(["sweep", "system", "model"]).sort_index()
     assert chk.loc[("h200-1.3b", "deepspeed-zero-offload", "1.3B"), "vs_reference"] == pytest.approx(0.084, abs=1e-3)
     assert chk.loc[("h200-1.3b-repeat", "deepspeed-twinflow", "1.3B"), "vs_reference"] == pytest.approx(0.048, abs=1e-3)
     so = chk.loc[("superoffload-clip", "deepspeed-superoffload")]
@@ -219,7 +219,7 @@ def test_microbatch_check_compares_at_the_largest_micro_batch_no_offload_fits():
     overlapped with backward and no state on the GPU (37.7 GiB), dos cpu is +14.9% and dos
     interleaved +16.7% (its plan stayed all-CPU)."""
     rows = results.rows([ROOT / "experiments/results/microbatch"])
-    chk = results.microbatch_check(rows).set_index("key")
+    chk = checks.microbatch_check(rows).set_index("key")
     assert set(chk["micro_batch"]) == {8}
     assert chk.loc["dos-auto", "vs_baseline"] == pytest.approx(0.012, abs=1e-3)
     assert chk.loc["dos-interleaved", "vs_baseline"] == pytest.approx(0.670, abs=1e-3)
@@ -232,7 +232,7 @@ def test_microbatch_check_compares_at_the_largest_micro_batch_no_offload_fits():
     assert chk.loc["dos-auto", "verdict"] == "PASS" and chk.verdict == "MISS"
     # Without an ok baseline row at a micro-batch, the check moves to the largest one it has.
     fewer = rows[~(rows["key"].eq("torch-gpu") & rows["micro_batch"].eq(8))]
-    assert set(results.microbatch_check(fewer)["micro_batch"]) == {4}
+    assert set(checks.microbatch_check(fewer)["micro_batch"]) == {4}
 
 
 def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
@@ -241,7 +241,7 @@ def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
     the loss's step-to-step noise; DeepSpeed ZeRO-Offload alongside (its 200 steps) holds it too. A
     curve 1% higher, or one with noise of its own, fails."""
     steps = results.steps(results.rows([ROOT / "experiments/results/convergence"]))
-    chk = results.convergence_check(steps)
+    chk = checks.convergence_check(steps)
     assert chk["key"].value_counts().to_dict() == {"dos-interleaved": 6, "deepspeed-zero-offload": 4}
     assert chk["mean_rel_diff"].abs().max() < 0.005 and chk["diff_over_noise"].max() < 0.10
     assert chk.verdict == "PASS" and (chk["verdict"] == "PASS").all()
@@ -249,13 +249,13 @@ def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
     dos = steps["key"].eq("dos-interleaved")
     shifted = steps.assign(loss=steps["loss"].where(~dos, steps["loss"] * 1.01))
     mine = lambda chk: chk[chk["key"].eq("dos-interleaved")]  # noqa: E731
-    assert mine(results.convergence_check(shifted))["mean_rel_diff"].abs().min() > 0.005
-    assert (mine(results.convergence_check(shifted))["verdict"] == "MISS").all()
+    assert mine(checks.convergence_check(shifted))["mean_rel_diff"].abs().min() > 0.005
+    assert (mine(checks.convergence_check(shifted))["verdict"] == "MISS").all()
     rng = np.random.default_rng(0)
     noisy = steps.assign(loss=steps["loss"] + dos * rng.normal(0, 0.1, len(steps)))
-    assert mine(results.convergence_check(noisy))["diff_over_noise"].max() > 0.10
+    assert mine(checks.convergence_check(noisy))["diff_over_noise"].max() > 0.10
     # A shorter run (DeepSpeed's 200 steps) is compared over the steps it has.
-    short = results.convergence_check(steps[~(dos & steps["step"].ge(202))])
+    short = checks.convergence_check(steps[~(dos & steps["step"].ge(202))])
     assert list(short[short["key"].eq("dos-interleaved")]["steps"]) == ["0-49", "50-99", "100-149", "150-201"]
 
 

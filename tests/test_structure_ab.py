@@ -4,7 +4,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dos.lab import results as R
+from dos.lab import checks, results as R
 from dos.lab.bench import records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,21 +19,21 @@ def _rows(old, new, config="cpu"):
 
 
 def test_core_ab_check_passes_within_noise_and_misses_beyond_it():
-    ok = R.core_ab_check(_rows([1.0, 1.1], [1.05, 1.08]), metrics=["step_s"])
-    assert ok.verdict == R.PASS and ok["noise_pct"].iloc[0] == 9.5  # 0.1 of the old median 1.05
-    shifted = R.core_ab_check(_rows([1.0, 1.02], [1.2, 1.21]), metrics=["step_s"])
-    assert shifted.verdict == R.MISS and shifted["diff_pct"].iloc[0] == pytest.approx(19.3, abs=0.1)  # medians 1.205 vs 1.01
-    too_few = R.core_ab_check(_rows([1.0], [1.0, 1.0]), metrics=["step_s"])
-    assert too_few.verdict == R.MISS  # one run of a core: no noise to judge by
+    ok = checks.core_ab_check(_rows([1.0, 1.1], [1.05, 1.08]), metrics=["step_s"])
+    assert ok.verdict == checks.PASS and ok["noise_pct"].iloc[0] == 9.5  # 0.1 of the old median 1.05
+    shifted = checks.core_ab_check(_rows([1.0, 1.02], [1.2, 1.21]), metrics=["step_s"])
+    assert shifted.verdict == checks.MISS and shifted["diff_pct"].iloc[0] == pytest.approx(19.3, abs=0.1)  # medians 1.205 vs 1.01
+    too_few = checks.core_ab_check(_rows([1.0], [1.0, 1.0]), metrics=["step_s"])
+    assert too_few.verdict == checks.MISS  # one run of a core: no noise to judge by
     with pytest.raises(ValueError, match="empty"):
-        R.core_ab_check(pd.DataFrame())
+        checks.core_ab_check(pd.DataFrame())
 
 
 def test_the_refactored_core_updates_within_the_old_cores_noise_on_the_h200():
     df = pd.DataFrame(records.read_rows(ROOT / "experiments/results/structure-ab/runs.csv"))
-    step = R.core_ab_check(df, metrics=["step_s"])
-    assert len(step) == 5 and step.verdict == R.PASS  # the update phase, every 3B dos row of `scaling`
-    it = R.core_ab_check(df, metrics=["iter_s"]).set_index("config")
+    step = checks.core_ab_check(df, metrics=["step_s"])
+    assert len(step) == 5 and step.verdict == checks.PASS  # the update phase, every 3B dos row of `scaling`
+    it = checks.core_ab_check(df, metrics=["iter_s"]).set_index("config")
     # The one iteration-time miss: the refactored core's runs were faster (forward/backward).
-    assert list(it.index[it["verdict"] == R.MISS]) == ["interleaved"]
+    assert list(it.index[it["verdict"] == checks.MISS]) == ["interleaved"]
     assert it.loc["interleaved", "diff_pct"] < 0

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from dos.lab import results as R
+from dos.lab import checks, results as R
 
 # One colour per system, the same in every figure (dos in blues/greens, DeepSpeed in warm colours).
 PALETTE = {
@@ -334,7 +334,7 @@ def ratio_sweep(df: pd.DataFrame, note: str = "", gpu_gib: Optional[float] = Non
     (ZeRO-3 at 0, ZeRO-Offload and SuperOffload at 1) and dos (all-GPU at 0, static shares, all-CPU,
     interleaved and auto at ~1: all state in host memory, part of it updated on the GPU). Points at
     the same share are set apart slightly (each keeps its own marker); dos auto's speed-up over the
-    fastest TwinFlow ratio is written where both ran under a cap (results.capped_check)."""
+    fastest TwinFlow ratio is written where both ran under a cap (checks.capped_check)."""
     # defaults but for the cap: a capped panel is the paper's regime
     d = df[df.index.isin(R.defaults_only(df.assign(gpu_mem_cap_gib=np.nan)).index)]
     d = one_per_point(d)
@@ -384,7 +384,7 @@ def ratio_sweep(df: pd.DataFrame, note: str = "", gpu_gib: Optional[float] = Non
                 ax.set_ylabel(ylabel)
         axes[0, j].set_title(_panel_name(model, cap), fontsize=9)
         if pd.notna(cap):
-            chk = R.capped_check(m)
+            chk = checks.capped_check(m)
             if len(chk):
                 c = chk.iloc[0]
                 axes[0, j].text(0.03, 0.04, f"dos auto {c['iter_s']:.2f} s vs TwinFlow {c['best_ratio']:g} "

@@ -268,7 +268,7 @@ def loss_curves(steps: pd.DataFrame, rows: pd.DataFrame, baseline: Sequence[str]
     top of each other, so each has its own line style), and each one's per-step difference to the
     no-offload baseline (right) inside the band of the loss's own step-to-step noise: the std of
     consecutive baseline differences / sqrt 2 over a `window`-step rolling window (what one batch
-    moves the loss; results.convergence_check's noise). Same seed, same batches: an exact
+    moves the loss; checks.convergence_check's noise). Same seed, same batches: an exact
     optimizer stays well inside the band."""
     fig, axes = figure(1, 2, w=4.8)
     a, b = axes[0]
