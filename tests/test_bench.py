@@ -76,7 +76,8 @@ def test_run_id_is_stable_and_discriminating():
     ({"system": "torch-gpu", "device": "cpu"}, "impossible configuration: torch-gpu needs a CUDA"),
     ({"system": "torch-cpu", "ratio": 0.5}, "ratio does not apply"),
     ({"system": "dos", "placement": "gpu", "seq_len": 0}, "seq_len must be >= 1"),
-    ({"system": "dos", "placement": "gpu", "gpus": 2}, "only one GPU"),
+    ({"system": "torch-cpu", "gpus": 2}, "runs on one GPU only"),
+    ({"system": "dos", "placement": "cpu", "gpus": 2, "overlap_backward": True}, "not available with FSDP2"),
     ({"system": "dos", "placement": "gpu", "model": "2B"}, "unknown model preset"),
     ({"system": "dos", "placement": "gpu", "colour": 1}, "unknown run key"),
     ({"system": "dos", "placement": "cpu", "overlap_backward": 1}, "overlap_backward must be true or false"),
@@ -338,3 +339,59 @@ def test_sampler_gpu_path_with_fake_nvml(monkeypatch, tmp_path, counters):
         assert (last[4], last[5]) == (5.0, 7.0)
     s.write(tmp_path / "s.csv")
     assert len((tmp_path / "s.csv").read_text().splitlines()) == len(s.rows) + 1
+
+
+# ---------------------------------------------------------------- several GPUs (torchrun)
+
+def test_merge_ranks_takes_worst_status_max_gpu_and_host_total():
+    from dos.lab.bench.run import merge_ranks
+
+    r0 = {"status": "ok", "error": None, "iter_s": 1.0, "tokens_per_s": 4096.0, "peak_gpu_gib": 3.0,
+          "peak_gpu_reserved_gib": 4.0, "peak_gpu_nvml_gib": None, "peak_host_gib": 2.0, "rank": 0}
+    r1 = {**r0, "iter_s": 1.1, "peak_gpu_gib": 5.0, "peak_host_gib": 3.0, "rank": 1}
+    out = merge_ranks([r0, r1], 0, 4.5)
+    assert out["status"] == "ok" and out["iter_s"] == 1.0 and out["tokens_per_s"] == 4096.0
+    assert out["peak_gpu_gib"] == 5.0 and out["peak_host_gib"] == 5.0 and out["peak_host_ranks_sum_gib"] == 5.0
+    assert out["rank_iter_s"] == [1.0, 1.1] and "rank" not in out
+    assert merge_ranks([r0, r1], 0, 6.0)["peak_host_gib"] == 6.0  # the sampled process tree
+    oom = merge_ranks([r0, {**r1, "status": "oom", "error": "CUDA out of memory"}], 1, 0.0)
+    assert oom["status"] == "oom" and oom["error"].startswith("rank 1: CUDA out of memory")
+    assert merge_ranks([r0, None], 1, 0.0)["status"] == "error"
+    lost = merge_ranks([None, r1], 1, 0.0)
+    assert lost["status"] == "error" and "rank(s) [0]" in lost["error"]
+
+
+def _bench_two_ranks(tmp_path, *args, env=None, timeout=300):
+    r = _cli("bench", *args, "model=tiny", "device=cpu", "gpus=2", "steps=2", "warmup=1", "nvml_hz=20",
+             "--out", str(tmp_path), env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = records.read_rows(tmp_path / "runs.csv")
+    assert row["status"] == "ok", row["error"]
+    assert int(row["gpus"]) == 2 and float(row["tokens_per_s"]) > 0
+    (run_dir,) = [p for p in tmp_path.iterdir() if (p / "result.json").exists()]
+    res = json.loads((run_dir / "result.json").read_text())
+    assert res["rank_status"] == ["ok", "ok"] and (run_dir / "rank1" / "steps.csv").exists()
+    # tokens/s counts both ranks' tokens: micro_batch x seq_len x 2 per (rank 0's) iteration
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert res["tokens_per_s"] == pytest.approx(spec["micro_batch"] * spec["seq_len"] * 2 / res["iter_s"])
+    return row, res
+
+
+@pytest.mark.slow
+def test_cli_bench_dos_fsdp2_on_two_gloo_ranks(tmp_path):
+    """gpus=2 on the CPU: torchrun starts 2 gloo ranks, each shards the tiny Llama with FSDP2
+    (bf16 compute, fp32 reduction) and runs dos interleaved; rank 0's timing makes the one row."""
+    row, res = _bench_two_ranks(tmp_path, "system=dos", "placement=interleaved", "stride=2")
+    assert res["config"]["fsdp2"] == {"world_size": 2, "units": "decoder layers + root",
+                                      "mp_policy": "bf16 params, fp32 reduce"}
+    assert int(row["n_params"]) == models.preset("tiny").n_params()  # the whole model, not a shard
+
+
+@pytest.mark.slow
+def test_cli_bench_deepspeed_on_two_gloo_ranks(tmp_path):
+    """DeepSpeed's CPU accelerator with 2 gloo ranks (ZeRO-3 + offload). The first run on a machine
+    JIT-builds DeepSpeed's shm comm op (minutes on 2 cores); later runs take ~20 s."""
+    row, res = _bench_two_ranks(tmp_path, "system=deepspeed-zero3-offload", "sub_group_size=20000",
+                                "seq_len=32", "micro_batch=2", env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                                timeout=1200)
+    assert row["cpu_impl"] == "DeepSpeedCPUAdam"

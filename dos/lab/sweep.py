@@ -206,8 +206,10 @@ def host_bytes_estimate(spec: RunSpec) -> tuple:
     if spec.device == "cpu":  # the "device" memory is host memory too
         dev_bpp = 4.0 + (16.0 if s == "torch-cpu" else 14.0 - host_bpp if s == "dos" else 12.0)
     base = (1.5 if spec.device == "cpu" else 3.0) + (1.0 if s.startswith("deepspeed") else 0.0)
+    base *= spec.gpus  # one process per GPU; the optimizer state is sharded: its total is unchanged
     need = n * (host_bpp + dev_bpp) + base * _GIB
-    how = f"{host_bpp + dev_bpp:.0f} B/param x {n / 1e9:.2f}B params + {base:.1f} GiB base"
+    how = f"{host_bpp + dev_bpp:.0f} B/param x {n / 1e9:.2f}B params + {base:.1f} GiB base" + (
+        f" ({spec.gpus} processes)" if spec.gpus > 1 else "")
     return need, how
 
 

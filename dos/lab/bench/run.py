@@ -6,6 +6,14 @@ phase times and loss), `markers.csv` (every phase, init included, on the sampler
 `samples.csv` (NVML + host RSS trace) and `lanes.json` (dos per-subgroup lane timeline). A failure
 still writes `result.json` with status `oom` or `error`, and whatever trace was gathered until then.
 The sweep parent (dos.lab.sweep) turns it into a row; users call `python -m dos bench` instead.
+
+gpus = N > 1: this process is the launcher. It starts `torch.distributed.run --standalone
+--nproc_per_node N -m dos.lab.bench.run SPEC RUN_DIR` (OMP_NUM_THREADS = cores // N unless set),
+samples the host RSS of the whole process tree meanwhile, and merges the ranks' results into the
+one `result.json` (`merge_ranks`). Each rank (env DOS_BENCH_RANKS set) runs the same protocol on
+its own device (cuda:LOCAL_RANK, or the CPU with gloo) and its own batches (seed + rank), writes
+its artifacts into RUN_DIR (rank 0) or RUN_DIR/rank<r>, and its result into `rank_result.json`
+there.
 """
 from __future__ import annotations
 
@@ -54,7 +62,20 @@ def resolve_device(spec):
         from dos.lab.bench.systems import SkipRun
 
         raise SkipRun("no CUDA device on this machine")
-    return torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0")) if _world() > 1 else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _world() -> int:
+    """Ranks of this run: DOS_BENCH_RANKS in a rank started by the launcher, else 1."""
+    return int(os.environ.get("DOS_BENCH_RANKS", "1"))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0")) if _world() > 1 else 0
 
 
 def _gpu_facts(device, spec) -> dict:
@@ -125,6 +146,12 @@ class _Run:
         self.device = device = resolve_device(spec)
         res["device"] = device.type
         systems.prepare_env(spec, device, int(os.environ.get("MASTER_PORT", "0")) or None)
+        if _world() > 1:
+            res["rank"] = _rank()
+            if not spec.system.startswith("deepspeed"):  # DeepSpeed initializes its own group
+                import torch.distributed as dist
+
+                dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         res.update(_gpu_facts(device, spec))
         gpu = {}
         if device.type == "cuda":  # NVML numbers GPUs ignoring CUDA_VISIBLE_DEVICES: match by UUID
@@ -157,7 +184,7 @@ class _Run:
         res.update(system.describe())
         res["init_s"] = sum(e - s for _, _, s, e in clock.markers)  # only init phases so far
         data, res["data_record"] = models.batches(spec.data, spec.warmup + spec.steps, spec.micro_batch,
-                                                  spec.seq_len, p.vocab, spec.seed)
+                                                  spec.seq_len, p.vocab, spec.seed + _rank())
 
         def after_step(i):
             if i >= spec.warmup:
@@ -220,8 +247,82 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
+    if _world() > 1:  # a rank: its parent is torchrun, which dies with the launcher's group
+        return
     if os.getppid() != int(parent):
         os._exit(1)
+
+
+def launch(spec, spec_path: Path, run_dir: Path) -> dict:
+    """gpus > 1: run the ranks under torchrun; return the merged result (see `merge_ranks`)."""
+    import subprocess
+    import threading
+
+    import psutil
+
+    from dos.lab.nvml import _total_rss
+
+    n = spec.gpus
+    env = {**os.environ, "DOS_BENCH_RANKS": str(n), "PYTHONUNBUFFERED": "1"}
+    env.pop("DOS_SWEEP_PID", None)  # the ranks are torchrun's children, not the sweep's
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))  # torchrun's default would be 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+           "-m", "dos.lab.bench.run", str(spec_path), str(run_dir)]
+    peak, stop = [0], threading.Event()
+
+    def sample():  # the host's total for this run: launcher + torchrun + every rank (+ children)
+        me = psutil.Process()
+        while not stop.wait(0.1):
+            try:
+                peak[0] = max(peak[0], _total_rss(me))
+            except psutil.Error:
+                pass
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        rc = subprocess.call(cmd, env=env)
+    finally:
+        stop.set()
+        t.join()
+    ranks = []
+    for r in range(n):
+        path = (run_dir if r == 0 else run_dir / f"rank{r}") / "rank_result.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    return merge_ranks(ranks, rc, peak[0] / _GIB)
+
+
+_SEVERITY = {"ok": 0, "skipped": 1, "error": 2, "oom": 3}
+
+
+def merge_ranks(ranks: list, rc: int, host_total_gib: float) -> dict:
+    """One row from the ranks' results: rank 0's fields (its timing: the collectives keep the ranks
+    in step; tokens/s already counts every rank's tokens), the worst status with its rank's error,
+    GPU peaks as the max over ranks, host RSS as the host's total for the run (the process tree's
+    sampled peak, or the sum of the ranks' peaks where larger), and each rank's iter_s."""
+    present = [(r, x) for r, x in enumerate(ranks) if x is not None]
+    if not present or ranks[0] is None:
+        missing = [r for r, x in enumerate(ranks) if x is None]
+        return {"status": "error", "files": {}, "gpus": len(ranks),
+                "error": f"torchrun exited with {rc}; no result from rank(s) {missing}"}
+    out = dict(ranks[0])
+    worst_r, worst = max(present, key=lambda rx: _SEVERITY.get(rx[1].get("status"), 2))
+    if worst.get("status") != "ok":
+        out["status"] = worst.get("status")
+        out["error"] = f"rank {worst_r}: {worst.get('error')}"
+    elif len(present) < len(ranks):
+        out["status"], out["error"] = "error", f"torchrun exited with {rc}; a rank wrote no result"
+    for k in ("peak_gpu_gib", "peak_gpu_reserved_gib", "peak_gpu_nvml_gib"):
+        vals = [x.get(k) for _, x in present if x.get(k) is not None]
+        out[k] = max(vals) if vals else None
+    ranks_sum = sum(x.get("peak_host_gib") or 0.0 for _, x in present)
+    out["peak_host_gib"] = max(host_total_gib, ranks_sum) if host_total_gib else ranks_sum
+    out["peak_host_ranks_sum_gib"] = ranks_sum
+    out["rank_iter_s"] = [x.get("iter_s") for x in ranks if x is not None]
+    out["rank_status"] = [x.get("status") if x else None for x in ranks]
+    out.pop("rank", None)
+    return out
 
 
 def main(argv=None) -> int:
@@ -235,7 +336,18 @@ def main(argv=None) -> int:
     spec = RunSpec.from_dict(json.loads(Path(argv[0]).read_text()))
     run_dir = Path(argv[1])
     run_dir.mkdir(parents=True, exist_ok=True)
-    res = execute(spec, run_dir)
+    if spec.gpus > 1 and _world() == 1:
+        res = launch(spec, Path(argv[0]), run_dir)
+    elif _world() > 1:
+        rank_dir = run_dir if _rank() == 0 else run_dir / f"rank{_rank()}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        res = execute(spec, rank_dir)
+        _write_json(rank_dir / "rank_result.json", res)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    else:
+        res = execute(spec, run_dir)
     _write_json(run_dir / "result.json", res)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -30,6 +30,8 @@ DS_OFFLOAD = ("deepspeed-zero-offload", "deepspeed-zero3-offload", "deepspeed-ze
               "deepspeed-zero2-offload-bf16", "deepspeed-superoffload")
 """DeepSpeed systems that offload the whole optimizer (ratio 1.0)."""
 CUDA_ONLY = {"torch-gpu", "deepspeed-superoffload", "torchao-cpu-offload"}
+MULTI_GPU = {"dos"}
+"""Systems other than DeepSpeed's that run with gpus > 1 (dos through FSDP2)."""
 PLACEMENTS = ("cpu", "static", "interleaved", "gpu")
 DATA = ("synthetic", "stdlib")
 DEVICES = ("auto", "cuda", "cpu")
@@ -54,7 +56,9 @@ class RunSpec:
     seq_len: int = 2048
     micro_batch: int = 1
     gpus: int = 1
-    """GPUs (one process each); only 1 for now."""
+    """GPUs (one process each, launched with torchrun by dos.lab.bench.run): dos wraps the model with
+    FSDP2 (`fully_shard` per decoder layer and the root), DeepSpeed runs its engine on N ranks. On
+    device "cpu" the ranks are N gloo processes (CI)."""
     dtype: str = "bf16"
     """Model parameter dtype: "bf16" (mixed precision, fp32 optimizer state) or "fp32"."""
     placement: Optional[str] = None
@@ -201,8 +205,13 @@ def _validate(s: RunSpec) -> None:
         raise ConfigError(f"data must be one of {DATA}, got {s.data!r}")
     if s.data == "stdlib" and preset(s.model, s.model_overrides).vocab < 256:
         raise ConfigError("data 'stdlib' is bytes: it needs a vocabulary of at least 256")
-    if s.gpus != 1:
-        raise ConfigError(f"gpus={s.gpus}: only one GPU per run is supported so far")
+    if s.gpus > 1:
+        if s.system not in MULTI_GPU and not s.system.startswith("deepspeed"):
+            raise ConfigError(f"gpus={s.gpus}: {s.system} runs on one GPU only; several GPUs need "
+                              "dos (FSDP2) or a DeepSpeed system")
+        if s.overlap_backward:
+            raise ConfigError("impossible configuration: overlap_backward is not available with "
+                              "FSDP2 (gpus > 1)")
     _validate_system(s)
     if s.device == "cpu" and s.system in CUDA_ONLY:
         raise ConfigError(f"impossible configuration: {s.system} needs a CUDA GPU but device is 'cpu'"

@@ -87,6 +87,7 @@ class DosSystem(_Base):
             engine_cls = dos.DeepOptimizerStates
         except (ImportError, AttributeError) as e:
             raise RuntimeError(f"dos engine not available: {type(e).__name__}: {e}") from e
+        self.sharded = shard_model(spec, model)
         kw = {k: getattr(spec, k) for k in ("stride", "gpu_fraction", "subgroup_numel", "cpu_threads",
                                             "staging_slots", "max_grad_norm", "overlap_backward")
               if getattr(spec, k) is not None}
@@ -103,12 +104,36 @@ class DosSystem(_Base):
 
     def describe(self):
         d = self.opt.describe()  # the optimizer's own record: plan, config, kernel, host bytes
-        return {"plan": d["plan"], "config": {"engine": d["config"]}, "state_dtype": "fp32",
+        cfg = {"engine": d["config"], **({"fsdp2": self.sharded} if self.sharded else {})}
+        return {"plan": d["plan"], "config": cfg, "state_dtype": "fp32",
                 "predicted_step_s": d["plan"]["predicted_step_s"], "cpu_impl": d["cpu_impl"],
                 "host_bytes_per_param": d["host_bytes_per_param"], "online": d["online"]}
 
     def timeline(self):
         return list(self.opt.timeline()) if self.spec.trace else []
+
+
+def shard_model(spec: RunSpec, model) -> Optional[dict]:
+    """gpus > 1: FSDP2 over every rank (`fully_shard` per decoder layer, then the root), with
+    MixedPrecisionPolicy(bf16 compute, fp32 reduction) when the model is bf16. Returns the row's
+    record of it, or None on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    kw = {"mesh": mesh}
+    if spec.dtype == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return {"world_size": dist.get_world_size(), "units": "decoder layers + root",
+            "mp_policy": "bf16 params, fp32 reduce" if "mp_policy" in kw else None}
 
 
 # Tuned for one GPU (issue 16). On one GPU there is no reduction across ranks: the "reduce" bucket
