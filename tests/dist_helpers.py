@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 
 import torch
@@ -19,6 +20,7 @@ def init(rank: int, world: int, store: str) -> None:
 
 
 def _entry(rank, world, tmp, setup, fn, *args):
+    code = 1
     try:
         init(rank, world, os.path.join(tmp, "store"))
         pre = (setup(),) if setup is not None else ()
@@ -26,12 +28,17 @@ def _entry(rank, world, tmp, setup, fn, *args):
         if rank == 0 and out is not None:
             with open(os.path.join(tmp, "result.json"), "w") as f:
                 json.dump(out, f)
+        code = 0
     except BaseException:
         traceback.print_exc()
-        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Leave without the interpreter's teardown: a native thread still joinable at exit (gloo's)
+        # aborted a rank once in CI ("terminate called without an active exception") after its
+        # work had finished. The exit code still says whether the work raised (spawn reports it).
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
 
 
 def spawn(fn, world, tmp_path, *args, setup=None) -> dict:
