@@ -36,6 +36,10 @@ class GradRouter:
         self._handles = []
         self.cpu_lane = None  # dos.cpu_lane: told when a CPU subgroup's gradient is on its way
         self.watch = None  # dos.params.ParamTracker: records each gradient's version
+        # Whether backward sends a CPU-lane gradient as soon as it is complete; False while every
+        # such early send has been redone at step() (a client changes every gradient after
+        # backward: DDP's all-reduce, a framework's clipping): `flush` then sends each once.
+        self.send_early = True
         for slot, p in params.items():
             sgs = subgroups_of(layout, slot)
             for s in sgs:
@@ -63,7 +67,7 @@ class GradRouter:
                 self.count[s] += 1
                 if self.count[s] == self.need[s]:
                     self.count[s] = 0
-                    if self.lanes[s] == CPU:
+                    if self.lanes[s] == CPU and (self.send_early or self.cpu_lane.starts_in_backward):
                         self.send(s)
                         self.cpu_lane.submit(s)
         return hook

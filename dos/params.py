@@ -65,6 +65,8 @@ def grad_view(flat: torch.Tensor, shape) -> torch.Tensor:
     return flat.view(shape).data
 
 
+PROBE_EVERY = 32  # steps between probes of early sends while they are deferred
+
 class StepCounts:
     """Per-parameter step counts (torch's: a parameter without a gradient is skipped) and the
     segments of equal step of each subgroup (`Lanes.segments`). Both bindings use it."""
@@ -122,7 +124,7 @@ class StepCounts:
 
     def record(self) -> dict:
         return {"resent_subgroups": 0, "resynced_params": 0, "skipped_params": self.skipped_params,
-                "followed_params": 0}
+                "followed_params": 0, "deferred_steps": 0}
 
 
 class ParamTracker(StepCounts):
@@ -140,6 +142,8 @@ class ParamTracker(StepCounts):
         self.resent_subgroups = 0  # CPU-lane subgroups whose gradient was sent again
         self.resynced_params = 0  # parameters whose master was re-seeded from the weights
         self.followed_params = 0  # parameters whose replaced `.data` was adopted
+        self.steps_seen = 0
+        self.deferred_steps = 0  # steps whose backward sent no CPU-lane gradient early
 
     # -- construction --------------------------------------------------------------------------
     def adopt(self, slot: ParamSlot, p: torch.nn.Parameter, flat: torch.Tensor) -> None:
@@ -223,12 +227,28 @@ class ParamTracker(StepCounts):
                 "(always under DistributedDataParallel: it all-reduces the gradients after backward)")
         if resync:
             self._resync(resync)
-        lanes = self.grads.lanes
-        for s in stale:
-            if lanes[s] == CPU and self.grads.sent[s]:
-                self.grads.sent[s] = False
-                self.resent_subgroups += 1
+        lanes, grads = self.grads.lanes, self.grads
+        early = [s for s, lane in enumerate(lanes) if lane == CPU and grads.sent[s]]
+        resent = [s for s in early if s in stale]
+        for s in resent:
+            grads.sent[s] = False
+        self.resent_subgroups += len(resent)
+        self._plan_early_sends(len(early), len(resent))
         self.begin(active)
+
+    def _plan_early_sends(self, early: int, resent: int) -> None:
+        """Early sends that a client's change makes stale are paid twice. Once every early send of
+        a step was redone, backward stops sending early (step() sends each gradient once) and
+        tries again every PROBE_EVERY steps, in case the client stopped changing them."""
+        self.steps_seen += 1
+        if not self.grads.send_early:  # the backward just run sent nothing early
+            self.deferred_steps += 1
+        if early and resent == early:
+            self.grads.send_early = False
+        elif early:
+            self.grads.send_early = True  # a probe found early sends worth keeping
+        elif not self.grads.send_early and self.steps_seen % PROBE_EVERY == 0:
+            self.grads.send_early = True  # the next backward probes
 
     # -- weights ---------------------------------------------------------------------------------
     def _follow(self, slot: ParamSlot, p: torch.nn.Parameter) -> None:
@@ -262,7 +282,8 @@ class ParamTracker(StepCounts):
 
     def record(self) -> dict:
         return {"resent_subgroups": self.resent_subgroups, "resynced_params": self.resynced_params,
-                "skipped_params": self.skipped_params, "followed_params": self.followed_params}
+                "skipped_params": self.skipped_params, "followed_params": self.followed_params,
+                "deferred_steps": self.deferred_steps}
 
 
 def _check_unfrozen(groups: Sequence[dict], tracked) -> None:

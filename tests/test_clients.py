@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import dos
+from dos.params import PROBE_EVERY
 from helpers import CLIENT_IDS, CLIENT_PLACEMENTS, batch, loss_fn, make_model, max_diff
 
 STEPS = 30
@@ -46,7 +47,28 @@ def test_user_clip_grad_norm_is_honoured(placement):
             opt.step()
     assert max_diff(pairs[0][0], pairs[1][0]) <= 1e-5
     if pairs[0][1].plan.cpu_order:
-        assert pairs[0][1].describe()["clients"]["resent_subgroups"] > 0
+        clients = pairs[0][1].describe()["clients"]
+        assert clients["resent_subgroups"] > 0
+        # Every early send was redone after the first step: backward stops sending early (step()
+        # sends each gradient once), probing again every PROBE_EVERY steps; still AdamW's result.
+        probes = (STEPS - 1) // PROBE_EVERY
+        assert clients["deferred_steps"] == STEPS - 1 - probes
+        assert clients["resent_subgroups"] <= len(pairs[0][1].plan.cpu_order) * (1 + probes)
+
+
+def test_early_sends_resume_when_the_client_stops_changing_gradients():
+    """A probe finds the early sends worth keeping again once nothing changes them after backward."""
+    (model, opt), (ref_model, ref) = twins(dict(placement="cpu"))
+    for step in range(2 * PROBE_EVERY + 4):
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            backward(m, step)
+            if step < PROBE_EVERY // 2:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+    assert max_diff(model, ref_model) <= 1e-5
+    assert opt._grads.send_early  # the probe after clipping stopped found nothing stale
+    assert opt.describe()["clients"]["deferred_steps"] < PROBE_EVERY
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=IDS)
