@@ -1,6 +1,5 @@
 """Exploration (dos/explore.py, Planner): stride="auto" keeps the plan measured fastest. CPU only:
 a fake clock times the steps, a calibration is injected, and parameters on the CPU run every lane."""
-import copy
 import dataclasses
 import io
 from fractions import Fraction

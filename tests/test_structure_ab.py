@@ -4,7 +4,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dos.lab import checks, results as R
+from dos.lab import checks
 from dos.lab.bench import records
 
 ROOT = Path(__file__).resolve().parents[1]
