@@ -84,6 +84,10 @@ class RunSpec:
     """DeepSpeed: keys merged over the system's zero_optimization section (tuning sweeps)."""
     max_grad_norm: Optional[float] = None
     """Global gradient clipping (None: none) for every system that supports it."""
+    clip_by: Optional[str] = None
+    """dos with max_grad_norm: who clips. "engine" (None: dos's own max_grad_norm, the fast path) or
+    "client" (torch.nn.utils.clip_grad_norm_ before step(), as transformers.Trainer and accelerate
+    do: dos re-sends or defers the gradients the client changed, DESIGN.md §3.5)."""
     gpu_mem_cap_gib: Optional[float] = None
     """Emulate a smaller GPU: torch.cuda.set_per_process_memory_fraction(cap / total)."""
     warmup: int = 2
@@ -149,6 +153,8 @@ class RunSpec:
             parts.append(f"f={self.gpu_fraction}")
         if self.overlap_backward:
             parts.append("overlap")
+        if self.clip_by == "client":
+            parts.append("client-clip")
         if self.system == "deepspeed-twinflow":
             parts.append(f"r={self.ratio}")
         parts += [self.model, f"s{self.seq_len}", f"mb{self.micro_batch}"]
@@ -242,7 +248,7 @@ def _only(s: RunSpec, names, who: str):
 
 def _validate_system(s: RunSpec) -> None:
     dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots",
-                "overlap_backward")
+                "overlap_backward", "clip_by")
     if s.system == "dos":
         _only(s, ("ratio", "sub_group_size", "ds_zero"), "dos")
         if s.placement not in PLACEMENTS:
@@ -263,6 +269,10 @@ def _validate_system(s: RunSpec) -> None:
             raise ConfigError(f"impossible configuration: placement {s.placement!r} takes no "
                               f"gpu_fraction (got {f}); use placement 'static' for a resident share")
         _check_type("overlap_backward", s.overlap_backward, (bool,), "true or false")
+        if s.clip_by not in (None, "engine", "client"):
+            raise ConfigError(f"clip_by must be 'engine' or 'client', got {s.clip_by!r}")
+        if s.clip_by is not None and s.max_grad_norm is None:
+            raise ConfigError("clip_by needs max_grad_norm (the norm to clip to)")
         if s.overlap_backward and s.max_grad_norm is not None:
             raise ConfigError("impossible configuration: overlap_backward needs max_grad_norm unset "
                               "(clipping needs every gradient before any update)")

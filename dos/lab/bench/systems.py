@@ -91,11 +91,17 @@ class DosSystem(_Base):
         kw = {k: getattr(spec, k) for k in ("stride", "gpu_fraction", "subgroup_numel", "cpu_threads",
                                             "staging_slots", "max_grad_norm", "overlap_backward")
               if getattr(spec, k) is not None}
+        # clip_by "client": the client clips (as transformers.Trainer does), dos is told nothing
+        self.client_clip = spec.max_grad_norm if spec.clip_by == "client" else None
+        if self.client_clip is not None:
+            del kw["max_grad_norm"]
         self.opt = engine_cls(model.parameters(), lr=spec.lr, betas=BETAS, eps=EPS,
                               weight_decay=spec.weight_decay, placement=spec.placement,
                               trace=spec.trace, **kw)
 
     def step(self):
+        if self.client_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.client_clip)
         self.opt.step()
         # zeroed in place: the next backward accumulates straight into dos's flat gradient buffers
         # (set_to_none, torch's default, makes each hook copy a fresh gradient in: as before the
@@ -104,7 +110,8 @@ class DosSystem(_Base):
 
     def describe(self):
         d = self.opt.describe()  # the optimizer's own record: plan, config, kernel, host bytes
-        cfg = {"engine": d["config"], **({"fsdp2": self.sharded} if self.sharded else {})}
+        cfg = {"engine": d["config"], **({"fsdp2": self.sharded} if self.sharded else {}),
+               "clients": d["clients"], "clip_by": self.spec.clip_by}  # re-sends, deferred steps
         return {"plan": d["plan"], "config": cfg, "state_dtype": "fp32",
                 "predicted_step_s": d["plan"]["predicted_step_s"], "cpu_impl": d["cpu_impl"],
                 "host_bytes_per_param": d["host_bytes_per_param"], "online": d["online"]}
