@@ -9,6 +9,12 @@
   runs; the Adam rate counts only subgroups inside the copies' window, the copy rates only copies
   inside the Adam window.
 Without CUDA only the CPU rates are measured; the rest is None. `python -m dos.calibrate --help`.
+
+Under torch.distributed with several ranks on this host (`torchrun --nproc-per-node N -m dos
+calibrate`, or `measure()` called on every rank) every rank measures at once, each on its share of
+the cores, every measured point started together (a barrier), so each sees the DRAM, PCIe and
+cores it will get in training; the host's profile (`hostshare.combine`: the slowest rank's rates,
+each rank's kept) is cached under a key with the rank count, by the host's first rank.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import adam
+from . import adam, hostshare
 from .buffers import HostArena, arena_blocks, available_host_bytes, thirds
 from .partition import partition
 from .perfmodel import Calibration, host_traffic_peak, machine_key
@@ -107,17 +113,27 @@ def cache_dir() -> Path:
     return Path(root) / "calibration"
 
 
-def cache_path() -> Path:
-    return cache_dir() / f"{machine_key(gpu_name(), cpu_model(), torch.__version__)}.json"
+def cache_path(local_ranks: int = 1) -> Path:
+    return cache_dir() / f"{machine_key(gpu_name(), cpu_model(), torch.__version__, local_ranks)}.json"
 
 
-def load_or_none() -> Optional[Calibration]:
-    """The cached Calibration of this machine (GPU, CPU model, torch version), or None."""
-    path = cache_path()
+def _read(path: Path) -> Optional[Calibration]:
     try:
         return Calibration.from_json(path.read_text())
     except (OSError, ValueError, TypeError):
         return None
+
+
+def load_or_none(local_ranks: int = 1) -> Optional[Calibration]:
+    """The cached Calibration of this machine (GPU, CPU model, torch version), or None. With
+    several local ranks: the profile measured with that many running; failing that, the 1-rank
+    profile derated for them (`hostshare.derate`, source 'derated'); a profile of another rank
+    count is never used."""
+    calib = _read(cache_path(local_ranks))
+    if local_ranks <= 1 or calib is not None:
+        return calib if calib is None or calib.local_ranks == local_ranks else None
+    one = _read(cache_path(1))
+    return hostshare.derate(one, local_ranks, cores()) if one is not None and one.local_ranks == 1 else None
 
 
 def save(calib: Calibration, path: Path) -> Path:
@@ -187,12 +203,14 @@ def cpu_rates(prob: CpuProblem, threads: Sequence[int], min_s: float, repeats: i
 
 
 def cpu_samples(prob: CpuProblem, threads: Sequence[int], min_s: float,
-                repeats: int = REPEATS) -> List[List[float]]:
+                repeats: int = REPEATS, sync=lambda: None) -> List[List[float]]:
     """CPU AdamW elements/s, `repeats` measurements per thread count, taken round-robin over the
-    thread counts (a slow spell of the machine then hits every count, not one)."""
+    thread counts (a slow spell of the machine then hits every count, not one); `sync()` before
+    each (the local ranks' barrier)."""
     out: List[List[float]] = [[] for _ in threads]
     for _ in range(repeats):
         for i, t in enumerate(threads):
+            sync()
             out[i].append(rate(prob.run(t, min_s)))
     return out
 
@@ -301,13 +319,15 @@ def bandwidth(nbytes: int, spans, lo: float = -math.inf, hi: float = math.inf) -
     return len(inside) * nbytes / sum(b - a for a, b in inside)
 
 
-def copy_rates(cp: Copies, copies: int) -> dict:
-    """Alone and duplex bandwidth of each direction."""
+def copy_rates(cp: Copies, copies: int, sync=lambda: None) -> dict:
+    """Alone and duplex bandwidth of each direction (`sync()` before each measurement)."""
     out = {}
     for d in ("h2d", "d2h"):
+        sync()
         ev = cp.chain(d, copies, cp.gate())
         torch.cuda.synchronize()
         out[f"{d}_bw"] = bandwidth(cp.nbytes, spans_of(ev, ev[0], 0.0))
+    sync()
     gate = cp.gate()
     ev = {d: cp.chain(d, copies, gate) for d in ("h2d", "d2h")}
     torch.cuda.synchronize()
@@ -345,17 +365,36 @@ def contended(prob: CpuProblem, cp: Copies, threads: int, min_s: float, copy_bw:
 # -- the whole measurement ---------------------------------------------------------------------
 
 def measure(sizes: Optional[Sizes] = None, threads: Optional[Sequence[int]] = None,
-            gpu: Optional[bool] = None, log=print) -> Calibration:
-    """Measure this machine (GPU parts only where CUDA is available and `gpu` is not False)."""
+            gpu: Optional[bool] = None, log=print, peers: Optional[hostshare.Peers] = None) -> Calibration:
+    """Measure this machine (GPU parts only where CUDA is available and `gpu` is not False).
+
+    `peers` (default: `hostshare.Peers.current()`, a collective under torch.distributed): with
+    several ranks on this host every rank calls this at once; each measures on its share of the
+    cores (default threads up to cores // ranks), every point after a barrier, and all return the
+    host's combined profile (`hostshare.combine`, local_ranks = the ranks). Logs: the host's
+    first rank only."""
+    peers = peers if peers is not None else hostshare.Peers.current()
+    if peers.n > 1:
+        calib = _measure(sizes, threads, gpu, log if peers.leader else (lambda *_: None),
+                         peers, max(1, cores() // peers.n))
+        mine = peers.gather_local(calib.to_json())
+        return hostshare.combine([Calibration.from_json(x) for x in mine], peers.local)
+    return _measure(sizes, threads, gpu, log, peers, cores())
+
+
+def _measure(sizes, threads, gpu, log, peers: hostshare.Peers, share: int) -> Calibration:
+    """One process's measurement (`peers.barrier()` before each point; `share`: its cores)."""
     sizes = sizes or default_sizes()
-    threads = sorted(set(threads or default_threads(cores())))
+    threads = sorted(set(threads or default_threads(share)))
     gpu = torch.cuda.is_available() if gpu is None else gpu
+    sync = peers.barrier
     t0 = time.perf_counter()
     prob = CpuProblem(sizes.cpu_numel, sizes.subgroup_numel)
     try:
         prob.warm_up(max(threads))
-        log(f"calibrate: CPU AdamW over {sizes.cpu_numel / 1e6:.0f}M elements, threads {threads}")
-        samples = cpu_samples(prob, threads, sizes.min_s)
+        log(f"calibrate: CPU AdamW over {sizes.cpu_numel / 1e6:.0f}M elements, threads {threads}"
+            + (f", on each of {peers.n} local ranks at once" if peers.n > 1 else ""))
+        samples = cpu_samples(prob, threads, sizes.min_s, sync=sync)
         cpu = [statistics.median(xs) for xs in samples]
         kw = dict(cpu_rate_spread=tuple(round(spread_of(xs), 4) for xs in samples))
         warn = profile_warnings("CPU AdamW", threads, samples)
@@ -364,11 +403,12 @@ def measure(sizes: Optional[Sizes] = None, threads: Optional[Sequence[int]] = No
                 f"{statistics.median(xs) / 1e9:.2f} G/s  spread {100 * spread_of(xs):.0f}% ({len(xs)} runs)")
         if gpu:
             log(f"calibrate: GPU AdamW, pinned copies of {sizes.copy_bytes / MI:.0f} MiB, contention")
+            sync()
             kw["gpu_rate"] = gpu_adam_rate(sizes.gpu_numel, sizes.subgroup_numel)
             cp = Copies(sizes.copy_bytes)
-            kw.update(copy_rates(cp, sizes.copies))
+            kw.update(copy_rates(cp, sizes.copies, sync))
             bw = max(kw["h2d_duplex_bw"], kw["d2h_duplex_bw"])
-            reps = [[contended(prob, cp, t, sizes.min_s, bw, r) for t, r in zip(threads, cpu)]
+            reps = [[sync() or contended(prob, cp, t, sizes.min_s, bw, r) for t, r in zip(threads, cpu)]
                     for _ in range(REPEATS)]  # round-robin over the thread counts
             cols = [[[rep[i][j] for rep in reps] for i in range(len(threads))] for j in range(3)]
             rows = [tuple(statistics.median(cols[j][i]) for j in range(3)) for i in range(len(threads))]
@@ -419,6 +459,15 @@ def table(c: Calibration) -> str:
               f"pinned H2D     {g(c.h2d_bw)} GB/s alone {g(c.h2d_duplex_bw)} GB/s duplex",
               f"pinned D2H     {g(c.d2h_bw)} GB/s alone {g(c.d2h_duplex_bw)} GB/s duplex",
               f"host memory    {g(c.host_mem_bw)} GB/s peak combined traffic (CPU AdamW + copies)"]
+    if c.local_ranks > 1:
+        lines.append(f"local ranks    {c.local_ranks} sharing this host: " + (
+            "each rate above is the slowest rank's, measured with all running at once"
+            if c.per_rank else "derated from a 1-rank profile (not measured with them running)"))
+        for r in c.per_rank or ():
+            lines.append(f"  rank {r['rank']}: CPU AdamW G/s " + ", ".join(
+                f"{t}: {x / 1e9:.2f}" for t, x in zip(c.cpu_threads, r["cpu_rate"]))
+                + "".join(f" | {name} {r[name] / 1e9:.1f}" for name in ("h2d_duplex_bw", "d2h_duplex_bw")
+                          if r.get(name) is not None))
     lines += [f"WARNING {w}" for w in c.warnings]
     return "\n".join(lines)
 
@@ -434,18 +483,47 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _torchrun_group() -> bool:
+    """Under torchrun with several ranks and no process group yet: start one (gloo: the
+    calibration exchanges barriers and small objects only). True if started here."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or dist.is_initialized():
+        return False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo")
+    return True
+
+
 def main(argv=None) -> int:
-    """`python -m dos calibrate`: measure, cache under ~/.cache/dos/calibration/, print the table."""
+    """`python -m dos calibrate`: measure, cache under ~/.cache/dos/calibration/, print the table.
+    Under `torchrun --nproc-per-node N` every rank measures at once and the host's first rank
+    caches and prints the N-rank profile (`--out`: rank 0 writes it)."""
     args = _parser().parse_args(argv)
-    calib = load_or_none() if args.cached else None
-    if calib is None:
-        threads = [int(x) for x in args.threads.split(",")] if args.threads else None
-        calib = measure(default_sizes(args.quick), threads)
-        if not args.quick:  # a rough profile never replaces the machine's cached one
-            print(f"calibrate: cached {save(calib, cache_path())}")
-    if args.out:
-        print(f"calibrate: wrote {save(calib, Path(args.out))}")
-    print(table(calib))
+    started = _torchrun_group()
+    try:
+        peers = hostshare.Peers.current()
+        calib = load_or_none(peers.n) if args.cached else None
+        if calib is not None and calib.source == "derated":
+            calib = None  # --cached shows a measured profile: measure this rank count
+        if args.cached and peers.n > 1:  # every rank measures, or none does
+            calib = calib if all(peers.gather_local(calib is not None)) else None
+        if calib is None:
+            threads = [int(x) for x in args.threads.split(",")] if args.threads else None
+            calib = measure(default_sizes(args.quick), threads, peers=peers)
+            if not args.quick and peers.leader:  # a rough profile never replaces the cached one
+                print(f"calibrate: cached {save(calib, cache_path(calib.local_ranks))}")
+            peers.gather_local(None)  # every rank returns once the profile is cached
+        if args.out and peers.rank == 0:
+            print(f"calibrate: wrote {save(calib, Path(args.out))}")
+        if peers.leader:
+            print(table(calib))
+    finally:
+        if started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 0
 
 

@@ -258,7 +258,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
                 "n_params": self.layout.n_params, "online": self.online_record(),
-                "clients": self.binding.track.record()}  # dos.params: re-sends, re-syncs, skips
+                "clients": self.binding.track.record(),  # dos.params: re-sends, re-syncs, skips
+                # ranks sharing this host (FSDP2 / DDP): the calibration they plan with (§3.4)
+                **({"calibration": self.planner.calibration_record()}
+                   if self.planner.local_ranks > 1 else {})}
 
     def online_record(self) -> dict:
         """What online planning did (`Planner.record`)."""

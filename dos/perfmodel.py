@@ -91,9 +91,18 @@ class Calibration:
     created: str = ""
     """When it was measured (ISO 8601)."""
     source: str = "measured"
-    """'measured' | 'refined' (by online updates) | 'assumed' (numbers from DESIGN.md)."""
+    """'measured' | 'refined' (by online updates) | 'assumed' (numbers from DESIGN.md) | 'derated'
+    (a 1-rank profile scaled to several local ranks, `hostshare.derate`)."""
+    local_ranks: int = 1
+    """Processes of one job sharing this host (its DRAM, PCIe root ports, cores) the rates are
+    for: measured with all of them running (`hostshare`), each rate the slowest rank's, each rank
+    on its share of the cores. Part of the machine key when > 1."""
+    per_rank: Optional[Tuple[dict, ...]] = dataclasses.field(default=None, hash=False)
+    """local_ranks > 1, measured: each rank's own rates (JSON values: lists, floats, None)."""
 
     def __post_init__(self):
+        if not (isinstance(self.local_ranks, int) and self.local_ranks >= 1):
+            raise ValueError(f"local_ranks must be an int >= 1, got {self.local_ranks!r}")
         n = len(self.cpu_threads)
         if n == 0 or list(self.cpu_threads) != sorted(set(self.cpu_threads)) or self.cpu_threads[0] < 1:
             raise ValueError(f"cpu_threads must be ascending distinct counts >= 1, got {self.cpu_threads}")
@@ -112,7 +121,7 @@ class Calibration:
 
     @property
     def key(self) -> str:
-        return machine_key(self.gpu_name, self.cpu_model, self.torch_version)
+        return machine_key(self.gpu_name, self.cpu_model, self.torch_version, self.local_ranks)
 
     # Rates against the thread count are read through a monotone envelope: more CPU threads never
     # update slower and never copy faster. Single calibration points are noisy (docs/DESIGN.md
@@ -132,7 +141,10 @@ class Calibration:
         return _interp(self.cpu_threads, _running(ys, min), threads) if ys is not None else self.d2h_duplex_bw
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        d = dataclasses.asdict(self)
+        if self.local_ranks == 1 and self.per_rank is None:  # a 1-rank profile: the format of before
+            del d["local_ranks"], d["per_rank"]
+        return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Calibration":
@@ -155,10 +167,12 @@ def host_traffic_peak(calib: Calibration, grad_bytes: int = 2, param_bytes: int 
     return max(seen) if seen else None
 
 
-def machine_key(gpu_name: Optional[str], cpu_model: str, torch_version: str) -> str:
-    """File-name-safe key of a machine profile: GPU, CPU model, torch version."""
+def machine_key(gpu_name: Optional[str], cpu_model: str, torch_version: str, local_ranks: int = 1) -> str:
+    """File-name-safe key of a machine profile: GPU, CPU model, torch version, and the local ranks
+    sharing the host when more than one (a 1-rank profile keeps its key of before)."""
     parts = (gpu_name or "nogpu", cpu_model or "cpu", "torch" + torch_version)
-    return "__".join(re.sub(r"[^A-Za-z0-9.]+", "-", p).strip("-") for p in parts)
+    key = "__".join(re.sub(r"[^A-Za-z0-9.]+", "-", p).strip("-") for p in parts)
+    return key + (f"__{local_ranks}ranks" if local_ranks > 1 else "")
 
 
 def _running(ys: Sequence[float], f) -> List[float]:

@@ -43,8 +43,11 @@ class Planner:
         self.config, self.layout = config, layout
         self._bytes = dict(grad_bytes=itemsize, param_bytes=itemsize)
         self.max_threads = config.cpu_threads or cores_per_rank(local_ranks)
-        self.calibration = _calibration(device)
+        self.local_ranks = local_ranks
+        self.calibration = _calibration(device, local_ranks)
         calibrated = self.calibration is not None
+        if calibrated and self.calibration.source == "derated":
+            warnings.warn(f"dos: {self.calibration.warnings[-1]}", stacklevel=3)
         # Online refinement re-plans the stride and threads (stride="auto" only).
         self.refining = (config.replan and config.placement == "interleaved" and config.stride == "auto"
                          and calibrated)
@@ -55,7 +58,7 @@ class Planner:
             why = ("the parameters are not on a CUDA device" if device.type != "cuda" else
                    "this machine has no calibration (run `python -m dos calibrate`)")
             warnings.warn(f"dos: gpu_fraction='auto' keeps nothing resident: {why}", stacklevel=3)
-        self._searched = self.calibration  # the rates the current plan was searched under
+        self._searched = self._searched_from = self.calibration  # (as loaded: describe())
         self._searched_head_start = 0.0  # ... and the head start (overlap_backward)
         self.head_start_s = 0.0  # backward seconds the CPU lane overlaps (moving average)
         self.replans: List[dict] = []  # {"step", "plan", "predicted_step_s"} of every re-plan
@@ -294,6 +297,16 @@ class Planner:
             entry["free_gpu_gib"] = round(free_gpu_bytes / 2**30, 3)
         self.replans.append(entry)
 
+    def calibration_record(self) -> dict:
+        """Which profile the plans rest on, for a job of several ranks on this host: measured with
+        them all running, derated from a 1-rank one (and why), or none."""
+        c = self._searched_from
+        out = {"local_ranks": self.local_ranks, "source": c.source if c is not None else None,
+               "profile_local_ranks": c.local_ranks if c is not None else None}
+        if c is not None and c.source == "derated":
+            out["note"] = c.warnings[-1]
+        return out
+
     def record(self, last_overlapped: int) -> dict:
         """What online planning did: each re-plan (step, stride, shares, threads, prediction), the
         head start it last planned with (overlap_backward) and the explorations (§9.6): steps
@@ -316,13 +329,15 @@ def _explores(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("DOS_EXPLORE") == "1"
 
 
-def _calibration(device: torch.device):
-    """This machine's cached calibration (`python -m dos calibrate`), for CUDA parameters."""
+def _calibration(device: torch.device, local_ranks: int = 1):
+    """This machine's cached calibration (`python -m dos calibrate`), for CUDA parameters; with
+    several ranks on this host, the profile measured with that many running, else the 1-rank one
+    derated (`calibrate.load_or_none`)."""
     if device.type != "cuda" or os.environ.get("DOS_NO_CALIBRATION"):
         return None
     from .calibrate import load_or_none
 
-    return load_or_none()
+    return load_or_none(local_ranks)
 
 
 def free_device_bytes(dev) -> Optional[float]:

@@ -23,7 +23,7 @@ from dos.lab.bench.spec import PLACEMENTS, SYSTEMS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = figures.notebooks()
-FIGURE_NUMBERS = [f"{i:02d}" for i in range(1, 12)]  # §6: 1-11 (12 once multi-GPU exists)
+FIGURE_NUMBERS = [f"{i:02d}" for i in range(1, 13)]  # §6: 1-12
 SMOKE_RUN = ("03", "04", "10")  # quick SMOKE sweeps without DeepSpeed (its JIT build takes minutes)
 SHORTER = {"10": {"steps": 6}}  # CI: figure 10's smoke sweep with fewer steps (same code path)
 
@@ -257,6 +257,56 @@ def test_convergence_check_holds_on_the_records_and_fails_on_a_shifted_curve():
     # A shorter run (DeepSpeed's 200 steps) is compared over the steps it has.
     short = checks.convergence_check(steps[~(dos & steps["step"].ge(202))])
     assert list(short[short["key"].eq("dos-interleaved")]["steps"]) == ["0-49", "50-99", "100-149", "150-201"]
+
+
+def _gpu_rows(two_gpu_speedup: float, batch: str = "b1"):
+    """Synthetic records of experiments/sweeps/gpus.yaml: 3 repeats per (system, model, GPUs)."""
+    import pandas as pd
+
+    out = []
+    for key, base in (("dos-auto", 1000.0), ("dos-interleaved", 900.0), ("deepspeed-zero2-offload", 300.0)):
+        for model, n in (("7B", 7e9), ("13B", 13e9)):
+            for gpus in (1, 2):
+                for rep, jitter in enumerate((0.98, 1.0, 1.03)):
+                    tps = base * (two_gpu_speedup if gpus == 2 else 1.0) * jitter * (7e9 / n)
+                    out.append(dict(status="ok", key=key, model=model, n_params=n, gpus=gpus,
+                                    tokens_per_s=tps, batch_id=batch, run_id=f"{key}{model}{gpus}{rep}",
+                                    timestamp=f"2026-12-02T10:{gpus}{rep}:00", smoke=False,
+                                    results_dir="experiments/results/gpus", gpu_name="NVIDIA H200",
+                                    cpu_model="Xeon", date="2026-12-02"))
+    return pd.DataFrame(out)
+
+
+@pytest.mark.parametrize("speedup, verdict", [(1.9, "PASS"), (1.5, "MISS")])
+def test_gpu_scaling_check_and_figure_on_synthetic_records(speedup, verdict, tmp_path):
+    """Figure 12's check (issue 18: dos at 7B, tokens/s on 2 GPUs >= 1.8x on 1, one batch) and
+    figure on synthetic rows; with no rows the figure says which machine it needs."""
+    import pandas as pd
+
+    from dos.lab import plots
+
+    rows = _gpu_rows(speedup)
+    chk = checks.gpu_scaling_check(rows)
+    assert list(chk["key"]) == ["dos-auto", "dos-interleaved"] and set(chk["model"]) == {"7B"}
+    assert chk["speedup"].tolist() == pytest.approx([speedup, speedup])
+    assert (chk["runs_1gpu"] == 3).all() and (chk["runs_2gpu"] == 3).all()
+    assert chk.verdict == verdict and (chk["verdict"] == verdict).all()
+    assert chk.summary().startswith(f"verdict: {verdict}")
+    # GPU counts from different batches (device calls) are never compared
+    split = rows.assign(batch_id=rows["batch_id"].where(rows["gpus"].eq(1), "b2"))
+    assert checks.gpu_scaling_check(split).empty and checks.gpu_scaling_check(split).verdict == "MISS"
+    # the latest batch with both counts is the one compared
+    both = pd.concat([_gpu_rows(1.2, "b0").assign(timestamp="2026-12-01T09:00:00"), rows])
+    assert checks.gpu_scaling_check(both)["batch_id"].eq("b1").all()
+    fig = plots.gpu_scaling(rows)
+    assert [ax.get_title() for ax in fig.axes] == ["7B", "13B"]
+    assert any(t.get_text() == f"{speedup:.2f}x" for t in fig.axes[0].texts)
+    assert all(p.stat().st_size > 1000 for p in map(ROOT.joinpath, plots.save(fig, tmp_path, "g")))
+    empty = results.rows([tmp_path / "none"])
+    with pytest.raises(ValueError):
+        checks.gpu_scaling_check(empty)
+    fig = plots.gpu_scaling(empty)
+    assert any(plots.GPU_SCALING_MISSING in t.get_text() for t in fig.axes[0].texts)
 
 
 def test_results_table_lists_the_gpu_records():

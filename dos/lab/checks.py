@@ -291,3 +291,38 @@ def core_ab_check(df: pd.DataFrame, old_suffix: str = "-core",
                             target="|median new - median old| <= the larger within-core range (>= 2 runs each)",
                             verdict=PASS if enough and abs(diff) <= noise else MISS))
     return _check_table(out, ["batch_id", "config", "metric"])
+
+
+# ---------------------------------------------------------------- issue 18: scaling with GPUs
+
+GPU_SCALING_TARGET = 1.8
+GPU_SCALING_KEYS = ("dos-auto", "dos-interleaved")
+
+
+def gpu_scaling_check(df: pd.DataFrame, model: str = "7B", keys: Sequence[str] = GPU_SCALING_KEYS,
+                      gpus: Sequence[int] = (1, 2), target: float = GPU_SCALING_TARGET) -> CheckTable:
+    """Issue 18, criterion 2, per dos key at `model`: the median tokens/s (every rank's tokens) on
+    gpus[1] GPUs over the median on gpus[0], both from one batch (one device call: the latest
+    batch that ran both). Target: speedup >= `target` (1.8x on 2 GPUs). A key without both GPU
+    counts in one batch is not compared (no row: the table's verdict is then MISS)."""
+    require_rows(df, "gpu_scaling_check")
+    d = df[df["status"].eq("ok")] if "status" in df else df
+    d = d[d["model"].eq(model) & d["key"].isin(list(keys))]
+    lo, hi = gpus
+    out = []
+    for key in [k for k in keys if k in set(d["key"])]:
+        m = d[d["key"].eq(key)]
+        both = [b for b, g in m.groupby("batch_id", sort=False) if {lo, hi} <= set(g["gpus"].fillna(1).astype(int))]
+        if not both:
+            continue
+        batch = m[m["batch_id"].isin(both)].sort_values("timestamp")["batch_id"].iloc[-1]
+        g = m[m["batch_id"].eq(batch)]
+        one, two = (g[g["gpus"].fillna(1).astype(int).eq(n)]["tokens_per_s"].astype(float) for n in (lo, hi))
+        speedup = two.median() / one.median()
+        out.append({"model": model, "key": key, "batch_id": batch, f"runs_{lo}gpu": len(one),
+                    f"runs_{hi}gpu": len(two), f"tokens_per_s_{lo}gpu": one.median(),
+                    f"tokens_per_s_{hi}gpu": two.median(), "speedup": speedup,
+                    "sweep": Path(g["results_dir"].iloc[0]).name,
+                    "target": f"tokens/s on {hi} GPUs >= {target}x on {lo}, one batch",
+                    "verdict": PASS if speedup >= target else MISS})
+    return _check_table(out, ("model", "key", "speedup"))

@@ -427,3 +427,48 @@ def memory_per_param(df: pd.DataFrame, note: str = ""):
     fig.legend(handles, ["GPU (peak allocated)", "host (peak RSS)"], loc="outside upper right", ncols=2)
     caption(fig, d, note)
     return fig
+
+
+# ---------------------------------------------------------------- figure 12
+
+GPU_SCALING_MISSING = "no records yet: needs nvidia-h200-x2"
+
+
+def gpu_scaling(df: pd.DataFrame, note: str = "", ideal: str = "dos-auto"):
+    """Fig. 12: tokens/s (every rank's) against the GPU count, one panel per model, each system's
+    median over its repeats with the min-max range; linear scaling from `ideal`'s 1-GPU point
+    dashed, and each system's speedup at the largest count annotated. Without rows: one panel
+    saying which machine the records need."""
+    d = df[df["status"].eq("ok")] if "status" in df and len(df) else df
+    models = _models(d)
+    fig, axes = figure(1, max(1, len(models)))
+    if not models:
+        empty(axes[0, 0], "tokens/s on 1 and 2 GPUs, dos against DeepSpeed\n"
+                          "(experiments/sweeps/gpus.yaml)", GPU_SCALING_MISSING)
+        fig.suptitle("Scaling with GPUs (FSDP2 + dos under torchrun)", fontsize=10, fontweight="bold")
+        caption(fig, d, note or "the 2-GPU sweep has not run: the 2-GPU machine was not lent yet")
+        return fig
+    for ax, model in zip(axes[0], models):
+        m = d[d["model"].eq(model)]
+        counts = sorted(m["gpus"].fillna(1).astype(int).unique())
+        for key in keys_in(m):
+            g = m[m["key"].eq(key)].groupby(m["gpus"].fillna(1).astype(int))["tokens_per_s"].agg(["median", "min", "max"])
+            ax.errorbar(g.index, g["median"], yerr=[g["median"] - g["min"], g["max"] - g["median"]],
+                        fmt="o-", color=PALETTE.get(key), label=label(key), ms=5, capsize=3)
+            if len(g) > 1 and g.index[0] == 1:
+                ax.annotate(f"{g['median'].iloc[-1] / g['median'].iloc[0]:.2f}x",
+                            (g.index[-1], g["median"].iloc[-1]), textcoords="offset points",
+                            xytext=(6, 0), va="center", fontsize=7, color=PALETTE.get(key))
+        base = m[m["key"].eq(ideal) & m["gpus"].fillna(1).astype(int).eq(1)]["tokens_per_s"]
+        if len(base):
+            ax.plot(counts, [base.median() * n for n in counts], "--", color="0.6", lw=1,
+                    label=f"linear from {label(ideal)}")
+        ax.set_title(model)
+        ax.set_xlabel("GPUs (torchrun ranks)")
+        ax.set_xticks(counts)
+        ax.set_ylabel("throughput (tokens/s, all ranks)")
+        ax.set_ylim(bottom=0)
+    axes[0, -1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.suptitle("Scaling with GPUs (FSDP2 + dos under torchrun)", fontsize=10, fontweight="bold")
+    caption(fig, d, note)
+    return fig
