@@ -21,6 +21,9 @@ read the same things, at a cost of one Python pass over the parameters per step:
   if one of its gradients changed. Changes made through `p.grad.data` bypass the version counter
   (as they bypass autograd's own checks) and are not seen. dos's own `max_grad_norm` scales inside
   the update instead: no re-send (the fast path).
+  Under DDP with dos's comm hook (dos.ddp) the reduced gradients were sent from DDP's callbacks;
+  what DDP then left in `.grad` (tensor and version, checked after its finalize) is in `ddp_ok`
+  and is not a client's change.
 - No gradient (`p.grad is None`, e.g. after `zero_grad(set_to_none=True)` and a backward that did not
   reach the parameter): skipped as torch.optim.AdamW does — no decay, no moment update, no step.
   Steps are therefore counted per parameter; a subgroup whose parameters are at different steps

@@ -4,6 +4,8 @@ Every rank updates the whole model from DDP's averaged gradients, so the replica
 identical, and equal (to rounding) DDP + torch.optim.AdamW: every placement (the CPU stands in for
 the GPU), with and without `no_sync()` accumulation, `gradient_as_bucket_view` on and off, static
 graph or not, and a bf16-compression communication hook. All cases run in one pair of processes.
+With dos's comm hook (`dos.register_ddp`, test_ddp_early_d2h_hook) the CPU-lane gradients leave from
+DDP's bucket callbacks, reduced, and are not sent again at step().
 """
 from __future__ import annotations
 
