@@ -40,6 +40,9 @@ class GradRouter:
         # such early send has been redone at step() (a client changes every gradient after
         # backward: DDP's all-reduce, a framework's clipping): `flush` then sends each once.
         self.send_early = True
+        # dos.ddp.EarlyReduced while a dos DDP comm hook is registered: it sends the *reduced*
+        # gradients when each bucket's all-reduce completes; backward sends nothing early itself.
+        self.ddp = None
         for slot, p in params.items():
             sgs = subgroups_of(layout, slot)
             for s in sgs:
@@ -67,7 +70,8 @@ class GradRouter:
                 self.count[s] += 1
                 if self.count[s] == self.need[s]:
                     self.count[s] = 0
-                    if self.lanes[s] == CPU and (self.send_early or self.cpu_lane.starts_in_backward):
+                    if self.lanes[s] == CPU and self.ddp is None and (
+                            self.send_early or self.cpu_lane.starts_in_backward):
                         self.send(s)
                         self.cpu_lane.submit(s)
         return hook

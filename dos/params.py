@@ -21,6 +21,9 @@ read the same things, at a cost of one Python pass over the parameters per step:
   if one of its gradients changed. Changes made through `p.grad.data` bypass the version counter
   (as they bypass autograd's own checks) and are not seen. dos's own `max_grad_norm` scales inside
   the update instead: no re-send (the fast path).
+  Under DDP with dos's comm hook (dos.ddp) the reduced gradients were sent from DDP's callbacks;
+  what DDP then left in `.grad` (tensor and version, checked after its finalize) is in `ddp_ok`
+  and is not a client's change.
 - No gradient (`p.grad is None`, e.g. after `zero_grad(set_to_none=True)` and a backward that did not
   reach the parameter): skipped as torch.optim.AdamW does — no decay, no moment update, no step.
   Steps are therefore counted per parameter; a subgroup whose parameters are at different steps
@@ -64,6 +67,9 @@ def grad_view(flat: torch.Tensor, shape) -> torch.Tensor:
     """A view of `flat` with its own version counter (`.data`), for a parameter's `.grad`."""
     return flat.view(shape).data
 
+
+# describe()["clients"] without a dos DDP comm hook (dos.ddp.EarlyReduced.record)
+NO_HOOK = {"ddp_early_buckets": 0, "ddp_early_subgroups": 0, "ddp_refused_params": 0}
 
 PROBE_EVERY = 32  # steps between probes of early sends while they are deferred
 
@@ -124,7 +130,7 @@ class StepCounts:
 
     def record(self) -> dict:
         return {"resent_subgroups": 0, "resynced_params": 0, "skipped_params": self.skipped_params,
-                "followed_params": 0, "deferred_steps": 0}
+                "followed_params": 0, "deferred_steps": 0, **NO_HOOK}
 
 
 class ParamTracker(StepCounts):
@@ -144,6 +150,10 @@ class ParamTracker(StepCounts):
         self.followed_params = 0  # parameters whose replaced `.data` was adopted
         self.steps_seen = 0
         self.deferred_steps = 0  # steps whose backward sent no CPU-lane gradient early
+        # dos.ddp: id(p) -> (the .grad DDP left, its version) for gradients whose reduced values
+        # the comm hook already sent (`settle`); unchanged at step(), they are not stale.
+        self.ddp = None
+        self.ddp_ok: Dict[int, tuple] = {}
 
     # -- construction --------------------------------------------------------------------------
     def adopt(self, slot: ParamSlot, p: torch.nn.Parameter, flat: torch.Tensor) -> None:
@@ -162,6 +172,7 @@ class ParamTracker(StepCounts):
     # -- the gradient hook (autograd's thread) ---------------------------------------------------
     def grad_done(self, p: torch.nn.Parameter) -> None:
         self.gver[id(p)] = p.grad._version
+        self.ddp_ok.pop(id(p), None)  # accumulated again: what the DDP hook sent is old
 
     # -- zero_grad -----------------------------------------------------------------------------
     def zero_grad(self, groups: Sequence[dict], set_to_none: bool) -> None:
@@ -180,6 +191,7 @@ class ParamTracker(StepCounts):
                     if p.grad is not None and p.grad is not views.get(id(p)):
                         p.grad.zero_()  # a tensor dos does not own: zeroed as torch would
         self.grads.sent = [False] * len(self.grads.sent)
+        self.ddp_ok.clear()
 
     # -- step ------------------------------------------------------------------------------------
     def before_step(self, groups: Sequence[dict], cpu_lane=None) -> None:
@@ -189,7 +201,7 @@ class ParamTracker(StepCounts):
         gradient (dos's clipping norm reads it). `cpu_lane` (dos.cpu_lane): its `started` CPU
         subgroups were already updated during backward (overlap_backward): any change to them
         raises (after its updates have drained)."""
-        views = self.grads._views
+        views, ddp_ok = self.grads._views, self.ddp_ok
         active, stale, resync = set(), set(), []
         for slot, p in self.params.items():
             a = self.alias[slot]
@@ -205,16 +217,21 @@ class ParamTracker(StepCounts):
                     self.dev.grads[slot.bucket][slot.offset: slot.offset + slot.numel].zero_()
                 continue
             active.add(slot)
+            # the DDP hook sent what DDP left in .grad (dos.ddp), and nothing changed it since
+            ok = ddp_ok.get(id(p))
+            reduced = ok is not None and ok[0] is g and ok[1] == g._version
             if g is not view:  # assigned or replaced after (or without) backward
                 if g.shape != view.shape:
                     raise RuntimeError(f"dos: the gradient of a parameter of shape {tuple(p.shape)} "
                                        f"was replaced by a tensor of shape {tuple(g.shape)}")
                 view.copy_(g)
                 p.grad = view
-                stale.update(self.subgroups[slot])
-            elif view._version != self.gver.get(id(p)):
+                if not reduced:
+                    stale.update(self.subgroups[slot])
+            elif view._version != self.gver.get(id(p)) and not reduced:
                 stale.update(self.subgroups[slot])
             self.gver[id(p)] = view._version
+        ddp_ok.clear()
         _check_unfrozen(groups, self.params.values())
         started = cpu_lane.started if cpu_lane is not None else frozenset()
         bad = (stale | {s for slot in resync for s in self.subgroups[slot]}) & started
@@ -283,7 +300,8 @@ class ParamTracker(StepCounts):
     def record(self) -> dict:
         return {"resent_subgroups": self.resent_subgroups, "resynced_params": self.resynced_params,
                 "skipped_params": self.skipped_params, "followed_params": self.followed_params,
-                "deferred_steps": self.deferred_steps}
+                "deferred_steps": self.deferred_steps,
+                **(self.ddp.record() if self.ddp is not None else NO_HOOK)}
 
 
 def _check_unfrozen(groups: Sequence[dict], tracked) -> None:

@@ -4,6 +4,8 @@ Every rank updates the whole model from DDP's averaged gradients, so the replica
 identical, and equal (to rounding) DDP + torch.optim.AdamW: every placement (the CPU stands in for
 the GPU), with and without `no_sync()` accumulation, `gradient_as_bucket_view` on and off, static
 graph or not, and a bf16-compression communication hook. All cases run in one pair of processes.
+With dos's comm hook (`dos.register_ddp`, test_ddp_early_d2h_hook) the CPU-lane gradients leave from
+DDP's bucket callbacks, reduced, and are not sent again at step().
 """
 from __future__ import annotations
 
@@ -113,7 +115,8 @@ def _matrix(tmp, placements, variants):
                 "ranks_bitwise": all(torch.equal(ranks[0], r) for r in ranks[1:]),
                 "ranks_diff": max((ranks[0] - r).abs().max().item() for r in ranks[1:]),
                 "ref_diff": dist_helpers.all_max((got - want).abs().max().item()),
-                "resent": opt.describe().get("clients", {}).get("resent_subgroups"),
+                "resent": opt.describe()["clients"]["resent_subgroups"],
+                "early": opt.describe()["clients"]["ddp_early_buckets"],
             }
             opt.close()
     return out
@@ -147,6 +150,95 @@ def _preflight(tmp):
     return {"ranks": flags, "cores": dos.planner.usable_cores()}
 
 
+class UnusedMLP(MLP):
+    """find_unused_parameters: `d` is used on a rank only on some steps (locally unused but
+    globally used, or unused on every rank), `e` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.d, self.e = nn.Linear(29, 29), nn.Linear(29, 29)
+
+    def forward(self, x, use_d=True):
+        h = torch.tanh(self.b(torch.relu(self.a(x))))
+        return self.c(self.d(h) if use_d else h)
+
+
+# The hook's cases: (name, no_sync, bucket_view, static, bf16 hook, find_unused, set_to_none,
+# the user's clip_grad_norm_ after backward)
+EARLY = [("plain", False, False, False, False, False, True, False),
+         ("no_sync+bf16_hook", True, False, False, True, False, True, False),
+         ("bucket_view+static", False, True, True, False, False, True, False),
+         ("no_sync+bucket_view+bf16_hook", True, True, False, True, False, True, False),
+         ("unused", False, False, False, False, True, True, False),
+         ("unused+zero_grad(none=False)", False, False, False, False, True, False, False),
+         ("unused+bucket_view", False, True, False, False, True, True, False),
+         ("clip", False, False, False, False, False, True, True)]
+
+
+def _early(tmp, placements, cases):
+    """dos.register_ddp against DDP + torch.optim.AdamW (with the same inner hook)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, out = dist.get_rank(), {}
+
+    def model(case, with_dos=None):
+        _, _, view, static, bf16, unused, _, _ = case
+        torch.manual_seed(0)
+        m = DDP(UnusedMLP() if unused else MLP(), bucket_cap_mb=BUCKET_MB,
+                gradient_as_bucket_view=view, static_graph=static, find_unused_parameters=unused)
+        if with_dos is not None:
+            dos.register_ddp(m, with_dos(m), hook=bf16_hook if bf16 else None)
+        elif bf16:
+            m.register_comm_hook(None, bf16_hook)
+        return m
+
+    def train(m, opt, case):
+        accum, none = 2 if case[1] else 1, case[6]
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=none)
+            for micro in range(accum):
+                g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+                x, y = torch.randn(8, 13, generator=g), torch.randn(8, 7, generator=g)
+                kw = dict(use_d=(step + rank) % 3 == 0) if case[5] else {}
+                with m.no_sync() if micro < accum - 1 else nullcontext():
+                    ((m(x, **kw) - y).square().mean() / accum).backward()
+            if case[7]:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            opt.step()
+
+    for case in cases:
+        ref = model(case)
+        train(ref, torch.optim.AdamW(ref.parameters(), **LR), case)
+        want = _flat(ref)
+        for name in placements:
+            opts = []
+            m = model(case, lambda m: opts.append(dos.DeepOptimizerStates(
+                m.parameters(), subgroup_numel=SUBGROUP, **LR, **PLACEMENTS[name])) or opts[0])
+            opt = opts[0]
+            train(m, opt, case)
+            got = _flat(m)
+            ranks = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+            dist.all_gather(ranks, got)
+            clients = opt.describe()["clients"]
+            out[f"{name} {case[0]}"] = {
+                "ranks_bitwise": all(torch.equal(ranks[0], r) for r in ranks[1:]),
+                "ref_diff": dist_helpers.all_max((got - want).abs().max().item()),
+                # CPU subgroups holding parameters (not only a bucket's padding: sent by step())
+                "cpu_subgroups": sum(1 for s in opt.plan.cpu_order if opt._grads.need[s]),
+                **clients}
+            opt.close()
+    # refused: overlap_backward; a second hook on the same optimizer
+    m = model(EARLY[0])
+    opt = dos.DeepOptimizerStates(m.parameters(), placement="cpu", overlap_backward=True)
+    with pytest.raises(NotImplementedError, match="overlap_backward"):
+        dos.ddp_comm_hook(opt)
+    opt = dos.DeepOptimizerStates(m.parameters(), placement="cpu")
+    dos.ddp_comm_hook(opt)
+    with pytest.raises(RuntimeError, match="already has a DDP hook"):
+        dos.ddp_comm_hook(opt)
+    return out
+
+
 # -- in pytest ---------------------------------------------------------------------------------
 def test_ddp_replicas_identical_and_equal_to_ddp_adamw(tmp_path):
     res = dist_helpers.spawn(_matrix, 2, tmp_path, list(PLACEMENTS), VARIANTS)
@@ -156,6 +248,8 @@ def test_ddp_replicas_identical_and_equal_to_ddp_adamw(tmp_path):
     assert len(res) == len(PLACEMENTS) * len(VARIANTS)
     bad = {c: r for c, r in res.items() if not r["ranks_bitwise"] or r["ref_diff"] > 1e-5}
     assert not bad, bad
+    # without dos's comm hook nothing is sent from DDP's callbacks (test_ddp_early_d2h_hook)
+    assert all(r["early"] == 0 for r in res.values())
 
 
 def test_ddp_host_memory_preflight_and_threads_count_every_local_rank(tmp_path):
@@ -163,3 +257,35 @@ def test_ddp_host_memory_preflight_and_threads_count_every_local_rank(tmp_path):
     for raised, threads, fits in res["ranks"]:
         assert "on 2 ranks of this host" in raised and "host_memory_limit_gib" in raised, raised
         assert threads == max(1, res["cores"] // 2) and fits
+
+
+def test_ddp_early_d2h_hook(tmp_path):
+    """dos.register_ddp: the CPU-lane gradients leave the GPU from DDP's bucket callbacks, reduced,
+    and are not sent again at step(); the replicas stay bitwise equal and equal DDP + AdamW."""
+    res = dist_helpers.spawn(_early, 2, tmp_path, list(PLACEMENTS), EARLY)
+    for case, r in res.items():
+        print(f"{case:55s} ranks {'bitwise' if r['ranks_bitwise'] else 'DIFFER'}  |dos - AdamW| "
+              f"{r['ref_diff']:.2e}  early buckets {r['ddp_early_buckets']} subgroups "
+              f"{r['ddp_early_subgroups']} refused {r['ddp_refused_params']} re-sent "
+              f"{r['resent_subgroups']} deferred {r['deferred_steps']}")
+    assert len(res) == len(PLACEMENTS) * len(EARLY)
+    bad = {c: r for c, r in res.items() if not r["ranks_bitwise"] or r["ref_diff"] > 1e-5}
+    assert not bad, bad
+    for case, r in res.items():
+        cpu = r["cpu_subgroups"]
+        if "clip" in case:  # every early send redone at step(): deferred, as without the hook
+            assert (r["resent_subgroups"] > 0 and r["deferred_steps"] > 0) == (cpu > 0), case
+            continue
+        assert r["deferred_steps"] == 0, case
+        if not cpu:  # placement gpu: nothing to send
+            assert r["ddp_early_subgroups"] == 0 and r["resent_subgroups"] == 0, case
+            continue
+        # every CPU subgroup of every step's synchronized backward went from a callback
+        assert r["ddp_early_buckets"] >= STEPS and r["ddp_early_subgroups"] == STEPS * cpu, case
+        assert r["resent_subgroups"] == 0, case
+        if "unused" in case and "bucket_view" not in case:
+            # `d` unused on a rank: DDP creates its .grad (set_to_none) or, unused on every rank,
+            # leaves the local one: not what was sent, so step() sends those subgroups
+            assert r["ddp_refused_params"] > 0, case
+        else:  # with gradient_as_bucket_view DDP points such a .grad at the reduced bucket
+            assert r["ddp_refused_params"] == 0, case
