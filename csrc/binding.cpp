@@ -137,7 +137,9 @@ void adamw_lowp_(const at::Tensor& master, const at::Tensor& exp_avg, const at::
   dos::LowpArrays a{master.data_ptr<float>(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                     q ? scales->data_ptr<float>() : nullptr, grad.data_ptr(),
                     kernel_dtype(grad, "grad"), nullptr, dos::DType::kNone, n, lo, hi};
-  if (out.has_value() && n > 0 && out->data_ptr() != master.data_ptr()) {  // out == master: no-op
+  const bool out_is_master = out.has_value() && out->data_ptr() == master.data_ptr() &&
+                             out->scalar_type() == at::kFloat && out->numel() == n;
+  if (out.has_value() && n > 0 && !out_is_master) {  // out == master: nothing to write
     const at::Tensor& o = *out;
     TORCH_CHECK(o.is_contiguous() && o.numel() == n, E,
                 "master, moments, grad and out must be contiguous, of equal numel");
