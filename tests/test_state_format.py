@@ -13,7 +13,6 @@ Bounds (plain-torch `reference_step_` is the oracle):
 """
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
