@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define DOS_X86 1
@@ -82,6 +83,25 @@ DOS_INLINE uint16_t f32_to_f16(float f) {
   return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+// Calls fn(grad dtype, out dtype) with both as std::integral_constant<int, DType>.
+template <class Fn>
+DOS_INLINE void dispatch(DType gd, DType od, Fn&& fn) {
+  auto with_out = [&](auto g) {
+    using C = std::integral_constant<int, int(DType::kF32)>;
+    switch (od) {
+      case DType::kF32: return fn(g, C{});
+      case DType::kBF16: return fn(g, std::integral_constant<int, int(DType::kBF16)>{});
+      case DType::kF16: return fn(g, std::integral_constant<int, int(DType::kF16)>{});
+      case DType::kNone: return fn(g, std::integral_constant<int, int(DType::kNone)>{});
+    }
+  };
+  switch (gd) {
+    case DType::kBF16: return with_out(std::integral_constant<int, int(DType::kBF16)>{});
+    case DType::kF16: return with_out(std::integral_constant<int, int(DType::kF16)>{});
+    default: return with_out(std::integral_constant<int, int(DType::kF32)>{});
+  }
+}
+
 }  // namespace
 
 namespace scalar {
@@ -103,8 +123,24 @@ struct V {
   static DOS_INLINE F sqrt(F a) { return std::sqrt(a); }
   // NOTE: unfused (as torch's scalar tail): a software fma would be ~50x slower without FMA.
   static DOS_INLINE F fma(F a, F b, F c) { return a * b + c; }
+  // int8 state codes (lowp_body.inc). Arguments of rint are >= 0 (or NaN/inf): the 2^23 trick
+  // rounds half to even there without libm; max(NaN, 0) is 0, as MAXPS with 0 second.
+  static DOS_INLINE F abs(F a) { return std::fabs(a); }
+  static DOS_INLINE F max0(F a) { return a > 0.0f ? a : 0.0f; }
+  static DOS_INLINE F min(F a, F b) { return a < b ? a : b; }
+  static DOS_INLINE F rint(F a) { return (a + 0x1p23f) - 0x1p23f; }
+  static DOS_INLINE F copysign(F mag, F sgn) { return from_bits(bits(mag) | (bits(sgn) & 0x80000000u)); }
+  static DOS_INLINE F load_i8(const int8_t* p) { return float(*p); }
+  static DOS_INLINE F load_u8(const uint8_t* p) { return float(*p); }
+  static DOS_INLINE void store_i8(int8_t* p, F x) { *p = int8_t(int(x)); }
+  static DOS_INLINE void store_u8(uint8_t* p, F x) { *p = uint8_t(int(x)); }
+  using I = uint32_t;  // running max of |x|'s bits: NaN > inf > finite, so NaN is never lost
+  static DOS_INLINE I izero() { return 0; }
+  static DOS_INLINE I imax_abs(I acc, F x) { const uint32_t b = bits(x) & 0x7FFFFFFFu; return b > acc ? b : acc; }
+  static DOS_INLINE uint32_t ireduce(I acc) { return acc; }
 };
 #include "adamw_body.inc"
+#include "lowp_body.inc"
 #undef DOS_TGT
 }  // namespace scalar
 
@@ -143,8 +179,48 @@ struct V {
   DOS_TGT static DOS_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
   DOS_TGT static DOS_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
   DOS_TGT static DOS_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  DOS_TGT static DOS_INLINE F abs(F a) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7FFFFFFF)));
+  }
+  DOS_TGT static DOS_INLINE F max0(F a) { return _mm256_max_ps(a, _mm256_setzero_ps()); }
+  DOS_TGT static DOS_INLINE F min(F a, F b) { return _mm256_min_ps(a, b); }
+  DOS_TGT static DOS_INLINE F rint(F a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  DOS_TGT static DOS_INLINE F copysign(F mag, F sgn) {
+    return _mm256_or_ps(mag, _mm256_and_ps(sgn, _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)))));
+  }
+  DOS_TGT static DOS_INLINE F load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  DOS_TGT static DOS_INLINE F load_u8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  DOS_TGT static DOS_INLINE void store_i8(int8_t* p, F x) {
+    const __m256i i = _mm256_cvtps_epi32(x);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
+  DOS_TGT static DOS_INLINE void store_u8(uint8_t* p, F x) {
+    const __m256i i = _mm256_cvtps_epi32(x);
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  }
+  using I = __m256i;
+  DOS_TGT static DOS_INLINE I izero() { return _mm256_setzero_si256(); }
+  DOS_TGT static DOS_INLINE I imax_abs(I acc, F x) {
+    return _mm256_max_epi32(acc, _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF)));
+  }
+  DOS_TGT static DOS_INLINE uint32_t ireduce(I acc) {
+    alignas(32) uint32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), acc);
+    uint32_t r = 0;
+    for (uint32_t x : t) r = x > r ? x : r;
+    return r;
+  }
 };
 #include "adamw_body.inc"
+#include "lowp_body.inc"
 #undef DOS_TGT
 }  // namespace avx2
 
@@ -179,8 +255,39 @@ struct V {
   DOS_TGT static DOS_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
   DOS_TGT static DOS_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
   DOS_TGT static DOS_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  DOS_TGT static DOS_INLINE F abs(F a) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+  DOS_TGT static DOS_INLINE F max0(F a) { return _mm512_max_ps(a, _mm512_setzero_ps()); }
+  DOS_TGT static DOS_INLINE F min(F a, F b) { return _mm512_min_ps(a, b); }
+  DOS_TGT static DOS_INLINE F rint(F a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  DOS_TGT static DOS_INLINE F copysign(F mag, F sgn) {
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(sgn), _mm512_set1_epi32(int(0x80000000u)));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+  }
+  DOS_TGT static DOS_INLINE F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  DOS_TGT static DOS_INLINE F load_u8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  DOS_TGT static DOS_INLINE void store_i8(int8_t* p, F x) {  // codes are in range: truncation
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+  }
+  DOS_TGT static DOS_INLINE void store_u8(uint8_t* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+  }
+  using I = __m512i;
+  DOS_TGT static DOS_INLINE I izero() { return _mm512_setzero_si512(); }
+  DOS_TGT static DOS_INLINE I imax_abs(I acc, F x) {
+    return _mm512_max_epi32(acc, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+  DOS_TGT static DOS_INLINE uint32_t ireduce(I acc) { return uint32_t(_mm512_reduce_max_epi32(acc)); }
 };
 #include "adamw_body.inc"
+#include "lowp_body.inc"
 #undef DOS_TGT
 }  // namespace avx512
 #endif  // DOS_X86
@@ -234,6 +341,47 @@ void adamw(const AdamwArrays& a, const AdamwHyper& h, int threads, Isa isa) {
     const int64_t lo = std::min(a.n, blocks * id / nt * kBlock);
     const int64_t hi = std::min(a.n, blocks * (id + 1) / nt * kBlock);
     run_range(fn, c, a, lo, hi);
+  }
+}
+
+namespace {
+using LowpFn = void (*)(const Consts&, const LowpArrays&, int64_t, int64_t);
+
+LowpFn pick_lowp(Isa isa, StateFmt fmt) {
+  const bool q = fmt == StateFmt::kInt8;
+#ifdef DOS_X86
+  if (isa == Isa::kAvx512) return q ? &avx512::run_int8 : &avx512::run_bf16;
+  if (isa == Isa::kAvx2) return q ? &avx2::run_int8 : &avx2::run_bf16;
+#endif
+  return q ? &scalar::run_int8 : &scalar::run_bf16;
+}
+}  // namespace
+
+void adamw_lowp(const LowpArrays& a, StateFmt fmt, const AdamwHyper& h, int threads, Isa isa) {
+  if (a.hi <= a.lo) return;
+  const Consts c = make_consts(h);
+  const LowpFn fn = pick_lowp(isa, fmt);
+  const bool q = fmt == StateFmt::kInt8;
+  // work units: whole int8 blocks (threads never share one), else 64-element groups of [lo, hi)
+  const int64_t unit = q ? kQuantBlock : kBlock;
+  const int64_t u_lo = q ? a.lo / unit : 0;
+  const int64_t u_hi = q ? (a.hi + unit - 1) / unit : (a.hi - a.lo + unit - 1) / unit;
+  const int64_t most = ((u_hi - u_lo) * unit + kMinPerThread - 1) / kMinPerThread;
+  const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
+  auto part = [&](int64_t id, int64_t nt) {
+    const int64_t b = u_lo + (u_hi - u_lo) * id / nt, e = u_lo + (u_hi - u_lo) * (id + 1) / nt;
+    if (b >= e) return;
+    if (q) return fn(c, a, b, e);
+    fn(c, a, a.lo + b * unit, std::min(a.hi, a.lo + e * unit));
+  };
+  if (t == 1) return part(0, 1);
+#pragma omp parallel num_threads(t)
+  {
+#ifdef _OPENMP
+    part(omp_get_thread_num(), omp_get_num_threads());
+#else
+    part(0, 1);
+#endif
   }
 }
 

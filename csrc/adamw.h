@@ -37,4 +37,26 @@ bool isa_supported(Isa isa);
 // Runs on at most `threads` OpenMP threads (fewer for small n); `isa` must be supported.
 void adamw(const AdamwArrays& a, const AdamwHyper& h, int threads, Isa isa);
 
+// Low-precision optimizer state (dos/state_format.py defines the formats and the algorithm):
+// an fp32 master with bf16 moments, or int8/uint8 block-quantized moments with fp32 scales.
+// The math is `adamw`'s, in fp32, on decoded moments; the new fp32 moments are then encoded.
+enum class StateFmt : int { kBF16 = 1, kInt8 = 2 };
+constexpr int64_t kQuantBlock = 2048;  // int8: elements per scale pair (state_format.BLOCK)
+
+struct LowpArrays {
+  float* master;     // n
+  void* exp_avg;     // n: bf16 (uint16_t bits) or int8
+  void* exp_avg_sq;  // n: bf16 (uint16_t bits) or uint8
+  float* scales;     // int8 only: [s_m of each block, then s_v of each block], 2*ceil(n/2048)
+  const void* grad;  // n
+  DType grad_dtype;
+  void* out;         // n, or nullptr when out_dtype == kNone
+  DType out_dtype;
+  int64_t n, lo, hi;  // whole-subgroup arrays; elements [lo, hi) are updated
+};
+
+// Updates [lo, hi). int8: every block [lo, hi) touches is re-encoded with its new scales (its
+// elements outside [lo, hi) keep their decoded values). Threads never share an int8 block.
+void adamw_lowp(const LowpArrays& a, StateFmt fmt, const AdamwHyper& h, int threads, Isa isa);
+
 }  // namespace dos

@@ -78,6 +78,84 @@ void adamw_(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tenso
              parse_isa(isa));
 }
 
+// Whole-subgroup state (master fp32; moments fp32, bf16, or int8 + uint8 with fp32 `scales`);
+// updates elements [lo, hi). The format follows from the moments' dtypes.
+void adamw_lowp_(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                 const std::optional<at::Tensor>& scales, const at::Tensor& grad,
+                 const std::optional<at::Tensor>& out, int64_t lo, int64_t hi, int64_t step,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 double grad_scale, int64_t threads, c10::string_view isa) {
+  const char* const E = "dos::adamw_lowp_: ";
+  const int64_t n = master.numel();
+  TORCH_CHECK(0 <= lo && lo <= hi && hi <= n, E, "need 0 <= lo <= hi <= numel, got lo=", lo,
+              " hi=", hi, " numel=", n);
+  const auto md = exp_avg.scalar_type(), vd = exp_avg_sq.scalar_type();
+  if (md == at::kFloat && vd == at::kFloat) {  // fp32 state: the fp32 kernel on the slices
+    TORCH_CHECK(!scales.has_value(), E, "fp32 moments take no scales");
+    TORCH_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n && grad.numel() == n &&
+                    (!out.has_value() || out->numel() == n),
+                E, "master, moments, grad and out must be of equal numel");
+    auto sl = [&](const at::Tensor& t) { return t.view(-1).slice(0, lo, hi); };
+    std::optional<at::Tensor> o;
+    if (out.has_value()) o = sl(*out);
+    return adamw_(sl(master), sl(exp_avg), sl(exp_avg_sq), sl(grad), o, step, lr, beta1, beta2,
+                  eps, weight_decay, grad_scale, threads, isa);
+  }
+  const bool q = md == at::kChar && vd == at::kByte;
+  TORCH_CHECK(q || (md == at::kBFloat16 && vd == at::kBFloat16), E,
+              "moments must be float32/float32, bfloat16/bfloat16 or int8/uint8, got ", md, "/", vd);
+  TORCH_CHECK(master.scalar_type() == at::kFloat, E, "master must be float32");
+  std::vector<const at::Tensor*> state = {&master, &exp_avg, &exp_avg_sq};
+  const int64_t nb = (n + dos::kQuantBlock - 1) / dos::kQuantBlock;
+  if (q) {
+    TORCH_CHECK(scales.has_value(), E, "int8 moments need scales");
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                    scales->numel() == 2 * nb,
+                E, "scales must be contiguous float32 of 2*ceil(numel/2048) = ", 2 * nb,
+                " elements");
+    state.push_back(&*scales);
+  } else {
+    TORCH_CHECK(!scales.has_value(), E, "bf16 moments take no scales");
+  }
+  for (size_t i = 0; i < state.size(); ++i) {
+    TORCH_CHECK(state[i]->is_contiguous() && state[i]->device().is_cpu(), E,
+                "state must be contiguous CPU tensors");
+    TORCH_CHECK(i == 3 || state[i]->numel() == n, E,
+                "master, moments, grad and out must be of equal numel");
+  }
+  TORCH_CHECK(grad.is_contiguous() && grad.numel() == n, E,
+              "master, moments, grad and out must be contiguous, of equal numel");
+  for (size_t i = 0; i < state.size(); ++i) {
+    TORCH_CHECK(n == 0 || !overlap(*state[i], grad), E, "grad overlaps the optimizer state");
+    for (size_t j = i + 1; j < state.size(); ++j)
+      TORCH_CHECK(n == 0 || !overlap(*state[i], *state[j]), E, "the state tensors overlap");
+  }
+  TORCH_CHECK(step >= 1, E, "step must be >= 1, got ", step);
+  TORCH_CHECK(threads >= 0, E, "threads must be >= 0 (0: torch's thread count)");
+  TORCH_CHECK(grad_scale != 0.0, E, "grad_scale must be nonzero");
+
+  dos::LowpArrays a{master.data_ptr<float>(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                    q ? scales->data_ptr<float>() : nullptr, grad.data_ptr(),
+                    kernel_dtype(grad, "grad"), nullptr, dos::DType::kNone, n, lo, hi};
+  const bool out_is_master = out.has_value() && out->data_ptr() == master.data_ptr() &&
+                             out->scalar_type() == at::kFloat && out->numel() == n;
+  if (out.has_value() && n > 0 && !out_is_master) {  // out == master: nothing to write
+    const at::Tensor& o = *out;
+    TORCH_CHECK(o.is_contiguous() && o.numel() == n, E,
+                "master, moments, grad and out must be contiguous, of equal numel");
+    const bool is_grad = o.data_ptr() == grad.data_ptr() && o.scalar_type() == grad.scalar_type();
+    TORCH_CHECK(is_grad || !overlap(o, grad), E, "out must be grad itself or not overlap it");
+    for (const at::Tensor* t : state)
+      TORCH_CHECK(!overlap(o, *t), E, "out overlaps the optimizer state");
+    a.out = o.data_ptr();
+    a.out_dtype = kernel_dtype(o, "out");
+  }
+  const int nt = threads > 0 ? int(threads) : at::get_num_threads();
+  dos::adamw_lowp(a, q ? dos::StateFmt::kInt8 : dos::StateFmt::kBF16,
+                  dos::AdamwHyper{step, lr, beta1, beta2, eps, weight_decay, grad_scale}, nt,
+                  parse_isa(isa));
+}
+
 std::vector<std::string> cpu_isas() {  // supported here, best first
   std::vector<std::string> r;
   for (int i = 2; i >= 0; --i)
@@ -93,7 +171,16 @@ TORCH_LIBRARY(dos, m) {
   m.def("adamw_(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
         "Tensor(d!)? out, int step, float lr, float beta1, float beta2, float eps, "
         "float weight_decay, float grad_scale=1., int threads=0, str isa='scalar') -> ()");
+  // Whole-subgroup tensors; updates [lo, hi). Moments fp32/fp32, bf16/bf16 or int8/uint8 (then
+  // `scales`: fp32 [s_m per 2048-element block..., s_v per block...]); dos/state_format.py.
+  m.def("adamw_lowp_(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+        "Tensor(e!)? scales, Tensor grad, Tensor(d!)? out, int lo, int hi, int step, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, float grad_scale=1., "
+        "int threads=0, str isa='scalar') -> ()");
   m.def("cpu_isas() -> str[]", &cpu_isas);
 }
 
-TORCH_LIBRARY_IMPL(dos, CPU, m) { m.impl("adamw_", &adamw_); }
+TORCH_LIBRARY_IMPL(dos, CPU, m) {
+  m.impl("adamw_", &adamw_);
+  m.impl("adamw_lowp_", &adamw_lowp_);
+}

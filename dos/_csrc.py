@@ -1,7 +1,8 @@
 """dos's one C++ extension (csrc/): built at first use, cached on disk, loaded as `torch.ops.dos.*`.
 
 The library registers its ops with `TORCH_LIBRARY(dos, ...)` (csrc/binding.cpp):
-`torch.ops.dos.adamw_` (the fused CPU AdamW) and `torch.ops.dos.cpu_isas()`.
+`torch.ops.dos.adamw_` (the fused CPU AdamW), `torch.ops.dos.adamw_lowp_` (the same update over
+bf16 or int8 optimizer state, dos/state_format.py) and `torch.ops.dos.cpu_isas()`.
 
 Build: `torch.utils.cpp_extension.load` (needs a C++ compiler and ninja) into
 `$DOS_CACHE_DIR` (default `$XDG_CACHE_HOME/dos`, else `~/.cache/dos`), one folder per torch version,
@@ -103,10 +104,11 @@ def _reason(e: Exception) -> str:
 
 def _register_fake() -> None:
     """Lets torch.compile / fake tensors trace through the in-place op."""
-    try:
-        torch.library.register_fake("dos::adamw_")(lambda *args, **kwargs: None)
-    except Exception as e:  # older torch, or already registered: eager use is unaffected
-        _log.debug("dos: register_fake(dos::adamw_) skipped: %s", e)
+    for op in ("dos::adamw_", "dos::adamw_lowp_"):
+        try:
+            torch.library.register_fake(op)(lambda *args, **kwargs: None)
+        except Exception as e:  # older torch, or already registered: eager use is unaffected
+            _log.debug("dos: register_fake(%s) skipped: %s", op, e)
 
 
 def ops():

@@ -86,6 +86,39 @@ def cpu_adamw_(master, exp_avg, exp_avg_sq, grad, out, *, step, lr, beta1, beta2
                0 if threads is None else int(threads), _csrc.isa())
 
 
+def cpu_state_step_(fmt, views, grad, out, *, lo: int, hi: int, step, lr, beta1, beta2, eps,
+                    weight_decay, grad_scale=1.0, threads: Optional[int] = None) -> None:
+    """The CPU lane's update of elements [lo, hi) of one subgroup in any state format
+    (dos/state_format.py: 'fp32' | 'bf16' | 'int8', or a StateFormat).
+
+    `views`: the subgroup's `StateViews`; `grad`/`out` whole-subgroup tensors as in `cpu_adamw_`
+    (`out` None, `grad` itself, or another tensor; it receives the weights [lo, hi)).
+    fp32 runs `cpu_adamw_` on the slices; bf16/int8 run `torch.ops.dos.adamw_lowp_`, or, without
+    the extension, the plain-torch `state_format.reference_step_` (slow, single pass).
+    """
+    from dos import state_format as sf
+
+    fmt = sf.state_format(fmt)
+    n = views.master.numel()
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"need 0 <= lo <= hi <= {n}, got [{lo}, {hi})")
+    if fmt.name == "fp32":
+        cpu_adamw_(views.master[lo:hi], views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi],
+                   grad[lo:hi], None if out is None else out[lo:hi], step=step, lr=lr, beta1=beta1,
+                   beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
+                   threads=threads)
+        return
+    ops = _csrc.ops()
+    if ops is None:
+        sf.reference_step_(fmt, views, grad, out, lo=lo, hi=hi, step=step, lr=lr, beta1=beta1,
+                           beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+        return
+    ops.adamw_lowp_(views.master, views.exp_avg, views.exp_avg_sq, views.scales, grad, out,
+                    int(lo), int(hi), int(step), float(lr), float(beta1), float(beta2), float(eps),
+                    float(weight_decay), float(grad_scale), 0 if threads is None else int(threads),
+                    _csrc.isa())
+
+
 def cpu_impl() -> str:
     """Name of the implementation `cpu_adamw_` runs (recorded with every run):
     'dos-csrc-avx512' | 'dos-csrc-avx2' | 'dos-csrc-scalar' | 'torch-fused'."""
