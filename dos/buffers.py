@@ -1,8 +1,9 @@
 """Memory: the exact-size pinned host arena, its preflight, and the device-side buffers.
 
 Host arena: one anonymous mapping, cut into one page-aligned *block* per host-backed subgroup:
-    [ master fp32 | exp_avg fp32 | exp_avg_sq fp32 | gradient/weights in the param dtype ]
-The first 12 B/element move to and from a GPU staging slot in one copy each way; the last part
+    [ state: master fp32 | exp_avg | exp_avg_sq (| int8 scales) | gradient/weights in the param dtype ]
+The state's bytes (dos/state_format.py: 12 B/element in fp32, 8 with bf16 moments, ~6 with int8)
+move to and from a GPU staging slot in one copy each way; the last part
 receives the gradient during backward and, once the CPU has consumed it, the updated weights that
 go back to the GPU. Each block is page-locked on its own (cudaHostRegister, in parallel threads):
 no power-of-two rounding as in PyTorch's pinned allocator, no per-tensor pinning.
@@ -18,7 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .partition import Layout
-from .plan import RESIDENT, STATE_BYTES
+from .plan import RESIDENT
+from .state_format import StateFormat, scratch_numel
 
 PAGE = 4096
 
@@ -41,16 +43,18 @@ def _page(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
-def arena_blocks(layout: Layout, lanes: Sequence[str], itemsize: Sequence[int]) -> Tuple[Dict[int, Block], int]:
+def arena_blocks(layout: Layout, lanes: Sequence[str], itemsize: Sequence[int],
+                 fmt: StateFormat = StateFormat("fp32")) -> Tuple[Dict[int, Block], int]:
     """PURE: blocks of the host-backed subgroups and the arena's size in bytes.
 
-    `itemsize[b]` is the byte size of bucket b's param dtype (the host gradient's dtype).
+    `itemsize[b]` is the byte size of bucket b's param dtype (the host gradient's dtype); `fmt`
+    the state's format (its bytes per subgroup).
     """
     blocks, off = {}, 0
     for s in layout.subgroups:
         if lanes[s.index] == RESIDENT:
             continue
-        g_off = (STATE_BYTES * s.numel + 63) // 64 * 64
+        g_off = (fmt.nbytes(s.numel) + 63) // 64 * 64
         nbytes = _page(g_off + itemsize[s.bucket] * s.numel)
         blocks[s.index] = Block(offset=off, numel=s.numel, grad_offset=g_off, nbytes=nbytes)
         off += nbytes
@@ -115,9 +119,11 @@ def _cudart():
 class HostArena:
     """The host side of the optimizer state: one exact-size mapping, one block per subgroup."""
 
-    def __init__(self, blocks: Dict[int, Block], nbytes: int, dtypes: Dict[int, torch.dtype], pin: bool):
+    def __init__(self, blocks: Dict[int, Block], nbytes: int, dtypes: Dict[int, torch.dtype], pin: bool,
+                 fmt: StateFormat = StateFormat("fp32")):
         self.nbytes = nbytes
         self.blocks = blocks
+        self.fmt = fmt
         self._map = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults and faster pinning
@@ -125,10 +131,10 @@ class HostArena:
         self._registered: List[int] = []
         if pin and blocks:
             self._pin()
-        self.state: Dict[int, torch.Tensor] = {}  # fp32 [master | exp_avg | exp_avg_sq], 3n
+        self.state: Dict[int, torch.Tensor] = {}  # uint8, fmt.nbytes(n): fmt.views(state, n)
         self.grad: Dict[int, torch.Tensor] = {}  # param dtype, n
         for s, b in blocks.items():
-            self.state[s] = self.bytes[b.offset: b.offset + STATE_BYTES * b.numel].view(torch.float32)
+            self.state[s] = self.bytes[b.offset: b.offset + fmt.nbytes(b.numel)]
             g = self.bytes[b.offset + b.grad_offset:]
             self.grad[s] = g[: dtypes[s].itemsize * b.numel].view(dtypes[s])
 
@@ -171,37 +177,36 @@ class HostArena:
             pass
 
 
-def thirds(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(master, exp_avg, exp_avg_sq) views of a [master | exp_avg | exp_avg_sq] fp32 tensor."""
-    return t[:n], t[n: 2 * n], t[2 * n: 3 * n]
-
-
 class DeviceBuffers:
     """The accelerator side: flat params and grads per bucket, resident state, staging slots."""
 
     def __init__(self, layout: Layout, lanes: Sequence[str], dtypes: Sequence[torch.dtype],
-                 device: torch.device, n_slots: int):
+                 device: torch.device, n_slots: int, fmt: StateFormat = StateFormat("fp32")):
+        self.fmt = fmt
         self.params = [torch.zeros(b.numel, dtype=dtypes[b.index], device=device) for b in layout.buckets]
         self.grads = [torch.zeros(b.numel, dtype=dtypes[b.index], device=device) for b in layout.buckets]
+        # state bytes (fmt.views), zero: moments 0 (int8: scales 0 decode to 0)
         self.resident: Dict[int, torch.Tensor] = {
-            s.index: torch.zeros(STATE_BYTES // 4 * s.numel, dtype=torch.float32, device=device)
+            s.index: torch.zeros(fmt.nbytes(s.numel), dtype=torch.uint8, device=device)
             for s in layout.subgroups if lanes[s.index] == RESIDENT}
         n = layout.subgroup_numel
-        self.slots = [torch.empty(3 * n, dtype=torch.float32, device=device) for _ in range(n_slots)]
-        # Widening a low-precision gradient for any GPU update (staged or resident).
-        self._low = any(d != torch.float32 for d in dtypes)
+        self.slots = [torch.empty(fmt.nbytes(n), dtype=torch.uint8, device=device) for _ in range(n_slots)]
+        # Widening a low-precision gradient, and decoding compressed moments, for any GPU update.
+        self._low = any(d != torch.float32 for d in dtypes) or fmt.name != "fp32"
         self.scratch = torch.empty(0, dtype=torch.float32, device=device)
         if n_slots > 0 or self.resident:
             self._need_scratch(n)
 
     def _need_scratch(self, n: int) -> None:
-        if self._low and self.scratch.numel() < n:
-            self.scratch = torch.empty(n, dtype=torch.float32, device=self.scratch.device)
+        need = scratch_numel(self.fmt, n)
+        if self._low and self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.float32, device=self.scratch.device)
 
-    def add_resident(self, s: int, state: torch.Tensor) -> None:
-        """Make subgroup s resident: its state (3n fp32, on the host) is copied to the device."""
+    def add_resident(self, s: int, state: torch.Tensor, n: int) -> None:
+        """Make subgroup s (n elements) resident: its state bytes (on the host) are copied to the
+        device."""
         self.resident[s] = state.to(self.scratch.device, copy=True)
-        self._need_scratch(len(state) // 3)
+        self._need_scratch(n)
 
     def keep_slots(self, n: int) -> None:
         """Keep the first n staging slots; the others' memory goes back to the allocator (which

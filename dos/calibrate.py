@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import adam, hostshare
-from .buffers import HostArena, arena_blocks, available_host_bytes, thirds
+from .buffers import HostArena, arena_blocks, available_host_bytes
 from .partition import partition
 from .perfmodel import Calibration, host_traffic_peak, machine_key
 
@@ -162,7 +162,7 @@ class CpuProblem:
         """One subgroup's AdamW -> (elements, start, end) on the host clock."""
         s = self.layout.subgroups[self.next]
         self.next = (self.next + 1) % len(self.layout.subgroups)
-        master, m, v = thirds(self.arena.state[s.index], s.numel)
+        master, m, v, _ = self.arena.fmt.views(self.arena.state[s.index], s.numel)
         g = self.arena.grad[s.index]
         t0 = time.perf_counter()
         adam.cpu_adamw_(master, m, v, g, g, step=1, grad_scale=1.0, threads=threads, **HYPER)

@@ -6,6 +6,14 @@ the master. Tensors are views of the live state where a parameter lies in one su
 a 7B model's state to save it); a parameter spanning subgroups is gathered into a new tensor.
 A state_dict therefore loads into a dos optimizer of any placement or subgroup size.
 
+State formats (dos/state_format.py): the moments are saved in the optimizer's format — fp32, or
+bf16 views — and `state_dict()["dos"]["state_dtype"]` records it. int8 moments are block-quantized
+across parameter boundaries, so each parameter's entry holds them decoded (fp32 copies, not views)
+and `["dos"]["int8"]` holds every subgroup's codes and scales with a fingerprint of the layout: an
+optimizer of the same layout loads those bytes (a bitwise resume); any other re-encodes the fp32
+values. Loading into another format converts (bf16 rounds to nearest even; int8 re-quantizes) and
+warns once.
+
 DTensor (FSDP2) parameters: each tensor is a DTensor sharded as its parameter, over this rank's
 local shard (`opt.binding.like`), so `torch.distributed.checkpoint` saves and loads it sharded and
 the state dict is `get_optimizer_state_dict` / `set_optimizer_state_dict` compatible (these key it
@@ -15,15 +23,17 @@ an optimizer that has never stepped).
 """
 from __future__ import annotations
 
+import hashlib
+import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import surface
-from .buffers import thirds
 from .partition import ParamSlot
+from .state_format import decode, encode_
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -39,9 +49,38 @@ def _segments(opt, slot: ParamSlot) -> List[Tuple[int, int, int]]:
     return out
 
 
-def _pieces(opt, slot: ParamSlot, kind: int) -> List[torch.Tensor]:
-    return [thirds(opt.state_storage(s), opt.layout.subgroups[s].numel)[kind][a: a + n]
-            for s, a, n in _segments(opt, slot)]
+def _pieces(opt, slot: ParamSlot, kind: int, decoded: Optional[dict] = None) -> List[torch.Tensor]:
+    """Views of the parameter's pieces of state `kind` (0 master, 1 exp_avg, 2 exp_avg_sq); for
+    int8 moments, pieces of the subgroups' decoded fp32 moments (`decoded`: subgroup -> (m, v),
+    filled on demand)."""
+    out = []
+    for s, a, n in _segments(opt, slot):
+        views = opt.state_views(s)
+        if kind and opt.state_format.quantized:
+            if decoded is None:
+                decoded = {}
+            if s not in decoded:
+                decoded[s] = decode(opt.state_format, views, opt.layout.subgroups[s].numel)
+            out.append(decoded[s][kind - 1][a: a + n])
+        else:
+            out.append(views[kind][a: a + n])
+    return out
+
+
+def layout_fingerprint(opt) -> str:
+    """What makes two optimizers' int8 codes interchangeable: subgroups and parameter places."""
+    key = repr(([(sg.bucket, sg.start, sg.stop) for sg in opt.layout.subgroups],
+                sorted((s.group, s.index, s.bucket, s.offset, s.numel) for s in opt.param_slots())))
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _packed(opt) -> dict:
+    """int8: every subgroup's codes and scales (the bytes after the master), and the layout."""
+    fmt, out = opt.state_format, []
+    for sg in opt.layout.subgroups:
+        _, m_off, *_ = fmt.offsets(sg.numel)
+        out.append(opt.state_storage(sg.index)[m_off: fmt.nbytes(sg.numel)].cpu().clone())
+    return {"layout": layout_fingerprint(opt), "subgroups": out}
 
 
 def _numbering(opt) -> Dict[int, int]:
@@ -68,13 +107,13 @@ def _param_index(opt) -> Dict[Tuple[int, int], Tuple[int, int]]:
     return out
 
 
-def param_state(opt, slot: ParamSlot, p: torch.Tensor, step: int) -> dict:
+def param_state(opt, slot: ParamSlot, p: torch.Tensor, step: int, decoded: Optional[dict] = None) -> dict:
     """Parameter p's entry, as torch's AdamW has it (the caller waited for the host state)."""
     entry = {"step": torch.tensor(float(step))}
     for k, kind in enumerate(KINDS):
         if kind == "master" and p.dtype == torch.float32:
             continue
-        pieces = _pieces(opt, slot, k)
+        pieces = _pieces(opt, slot, k, decoded)
         if len(pieces) == 1:
             flat = pieces[0]
         else:
@@ -117,17 +156,32 @@ class LiveState(Mapping):
 def state_dict(opt) -> dict:
     opt.wait_host_state()
     index = _param_index(opt)
-    state, steps = {}, opt.param_steps  # per parameter, as torch's
+    state, steps, decoded = {}, opt.param_steps, {}  # per parameter, as torch's
     for slot, p in opt.param_slots().items():
         if steps[slot] == 0:
             continue  # as torch: no state before the parameter's first step
-        state[index[(slot.group, slot.index)][0]] = param_state(opt, slot, p, steps[slot])
+        state[index[(slot.group, slot.index)][0]] = param_state(opt, slot, p, steps[slot], decoded)
     groups, number = [], _numbering(opt)
     for group in opt.param_groups:
         g = {k: v for k, v in group.items() if k != "params"}
         g["params"] = [number[id(p)] for p in group["params"]]
         groups.append(g)
-    return {"state": state, "param_groups": groups}
+    extra = {"state_dtype": opt.state_format.name}
+    if opt.state_format.quantized:
+        extra["int8"] = _packed(opt)
+    return {"state": state, "param_groups": groups, "dos": extra}
+
+
+def _saved_dtype(sd: dict, state: dict) -> str:
+    """The state format a state_dict was saved in (recorded by dos; else the moments' dtype)."""
+    saved = (sd.get("dos") or {}).get("state_dtype")
+    if saved:
+        return saved
+    for entry in state.values():
+        m = entry.get("exp_avg") if isinstance(entry, Mapping) else None
+        if isinstance(m, torch.Tensor):
+            return "bf16" if m.dtype == torch.bfloat16 else "fp32"
+    return "fp32"
 
 
 def _key(k):
@@ -147,6 +201,17 @@ def load_state_dict(opt, sd: dict) -> None:
     # Keys: torch's parameter numbers, or parameter FQNs (set_optimizer_state_dict).
     state = {_key(k): v for k, v in sd["state"].items()}
     opt.wait_host_state()
+    fmt, saved = opt.state_format, _saved_dtype(sd, state)
+    if saved != fmt.name:
+        warnings.warn(f"dos: loading optimizer state saved with {saved} moments into state_dtype="
+                      f"'{fmt.name}': the moments are converted"
+                      + (" (rounded to bf16)" if fmt.name == "bf16" else
+                         " (re-quantized)" if fmt.quantized else " (exactly)"), stacklevel=4)
+    packed = (sd.get("dos") or {}).get("int8")
+    raw = bool(fmt.quantized and saved == "int8" and packed
+               and packed.get("layout") == layout_fingerprint(opt))
+    # int8 from per-parameter values: the subgroups' fp32 moments, filled, then encoded
+    decoded = {} if fmt.quantized and not raw else None
     steps, per_param = {}, opt.param_steps
     for slot, p in opt.param_slots().items():
         key = _key(groups[slot.group]["params"][index[(slot.group, slot.index)][1]])
@@ -166,10 +231,19 @@ def load_state_dict(opt, sd: dict) -> None:
             if src.numel() != p.numel():
                 raise ValueError(f"state '{kind}' of parameter {key} has {src.numel()} elements, "
                                  f"the parameter has {p.numel()}")
+            if k and raw:
+                continue  # the codes and scales are loaded as saved, below
             flat, at = opt.binding.local_of(p, src).reshape(-1), 0
-            for piece in _pieces(opt, slot, k):
+            for piece in _pieces(opt, slot, k, decoded):
                 piece.copy_(flat[at: at + piece.numel()])
                 at += piece.numel()
+    if raw:
+        for sg, blob in zip(opt.layout.subgroups, packed["subgroups"]):
+            _, m_off, *_ = fmt.offsets(sg.numel)
+            opt.state_storage(sg.index)[m_off: fmt.nbytes(sg.numel)].copy_(blob)
+    elif decoded:
+        for s, (m32, v32) in decoded.items():
+            encode_(fmt, opt.state_views(s), m32, v32)
     counts = opt.group_steps
     for g, found in steps.items():
         counts[g] = max(found)  # the group's step; each parameter's is in opt.param_steps

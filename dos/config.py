@@ -71,6 +71,10 @@ class EngineConfig:
     and whatever CPU subgroups are left. Needs `max_grad_norm=None` (clipping needs every gradient
     first) and the step's hyperparameters set before backward; with gradient accumulation, run the
     non-final micro-batches' backward inside `opt.accumulate()`."""
+    state_dtype: str = "fp32"
+    """Storage of the Adam moments (dos/state_format.py): "fp32" (torch.optim.AdamW exactly), "bf16"
+    (round-to-nearest-even) or "int8" (block-wise quantized, 2048-element blocks with an fp32
+    scale each). The master weights and the math stay fp32 in every format."""
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
@@ -97,6 +101,9 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be a positive int or None, got {self.cpu_threads!r}")
         if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
             raise ValueError(f"staging_slots must be an int >= 1, got {self.staging_slots!r}")
+        from .state_format import STATE_DTYPES
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
         if self.overlap_backward and self.max_grad_norm is not None:
             raise ValueError("overlap_backward=True needs max_grad_norm=None: clipping needs the norm "
                              "of every gradient before any subgroup may be updated")

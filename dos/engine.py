@@ -15,7 +15,7 @@ import torch
 
 from . import adam, checkpoint, surface
 from .binding import make_binding
-from .buffers import DeviceBuffers, HostArena, arena_blocks, thirds
+from .buffers import DeviceBuffers, HostArena, arena_blocks
 from .config import EngineConfig
 from .cpu_lane import make_cpu_lane
 from .grads import GradRouter
@@ -23,6 +23,7 @@ from .lanes import Hyper, Lanes
 from .partition import ParamSlot, partition
 from .plan import STAGED
 from .planner import Planner
+from .state_format import StateViews, state_format
 from .streams import make_sync
 from .trace import Timeline
 
@@ -39,6 +40,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                  staging_slots: int = 3, replan: bool = True, trace: bool = False,
                  pin_memory: bool = True,
                  host_memory_limit_gib: Optional[float] = None, overlap_backward: bool = False,
+                 state_dtype: str = "fp32",
                  amsgrad: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False, differentiable: bool = False):
         # dos.surface: torch.optim.AdamW's flags (amsgrad/maximize/differentiable refused, the
@@ -51,7 +53,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             placement=placement, stride=stride, gpu_fraction=gpu_fraction, subgroup_numel=subgroup_numel,
             max_grad_norm=max_grad_norm, cpu_threads=cpu_threads, staging_slots=staging_slots,
             replan=replan, trace=trace, pin_memory=pin_memory,
-            host_memory_limit_gib=host_memory_limit_gib, overlap_backward=overlap_backward)
+            host_memory_limit_gib=host_memory_limit_gib, overlap_backward=overlap_backward,
+            state_dtype=state_dtype)
+        self.state_format = fmt = state_format(cfg.state_dtype)
         self._ready = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       **torch_keys))
@@ -69,7 +73,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         dtypes = [trainable[b.slots[0].group][b.slots[0].index].dtype for b in self.layout.buckets]
         self.planner = planner = Planner(cfg, self.layout, dtypes[0].itemsize, device,
                                          local_ranks=binding.local_ranks())
-        blocks, nbytes = arena_blocks(self.layout, planner.plan.lanes, [d.itemsize for d in dtypes])
+        blocks, nbytes = arena_blocks(self.layout, planner.plan.lanes, [d.itemsize for d in dtypes], fmt)
         binding.preflight(nbytes, self.layout.n_params, cfg.host_memory_limit_gib)  # before any allocation
 
         self._sync = make_sync(device, timing=cfg.trace or planner.refining)
@@ -77,10 +81,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         n_slots = planner.plan.staging_slots if STAGED in planner.plan.lanes else 0
         if planner.may_stage_later:
             n_slots = max(n_slots, cfg.staging_slots)
-        self._dev = DeviceBuffers(self.layout, planner.plan.lanes, dtypes, device, n_slots)
+        self._dev = DeviceBuffers(self.layout, planner.plan.lanes, dtypes, device, n_slots, fmt)
         self._host = HostArena(blocks, nbytes,
                                {s: dtypes[self.layout.subgroups[s].bucket] for s in blocks},
-                               pin=cfg.pin_memory and device.type == "cuda")
+                               pin=cfg.pin_memory and device.type == "cuda", fmt=fmt)
         binding.adopt(self, self._params, self._dev)
         self._grads = GradRouter(self.layout, planner.plan.lanes, binding.hooked(self._params), self._dev,
                                  self._host.grad, self._sync, self._tl)
@@ -119,7 +123,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _seed_master(self) -> None:
         """The fp32 master weights from the flat parameter buffers (the binding filled them)."""
         for sg in self.layout.subgroups:
-            thirds(self.state_storage(sg.index), sg.numel)[0].copy_(self._dev.param(self.layout, sg.index))
+            self.state_views(sg.index).master.copy_(self._dev.param(self.layout, sg.index))
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_ready", False):
@@ -214,9 +218,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return dict(self._params)
 
     def state_storage(self, s: int) -> torch.Tensor:
-        """Subgroup s's fp32 state [master | exp_avg | exp_avg_sq], where it lives (the GPU for a
-        resident subgroup, the host arena otherwise). Call `wait_host_state()` before reading."""
+        """Subgroup s's state bytes (uint8; `state_views` reads them), where they live (the GPU
+        for a resident subgroup, the host arena otherwise). Call `wait_host_state()` before reading."""
         return self._dev.resident[s] if s in self._dev.resident else self._host.state[s]
+
+    def state_views(self, s: int) -> StateViews:
+        """Subgroup s's master, exp_avg, exp_avg_sq (and int8 scales) in `state_format`."""
+        return self.state_format.views(self.state_storage(s), self.layout.subgroups[s].numel)
 
     def wait_host_state(self) -> None:
         """Block until every write-back of host state from the GPU has landed."""
@@ -256,6 +264,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Everything a run record needs to know about this optimizer."""
         return {"plan": self.plan.to_record(), "config": self.config.to_record(),
                 "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
+                "state_dtype": self.state_format.name,
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
                 "n_params": self.layout.n_params, "online": self.online_record(),
                 "clients": self.binding.track.record(),  # dos.params: re-sends, re-syncs, skips

@@ -45,7 +45,8 @@ def candidates(plan: Plan, calib: Calibration, *, staging_slots: int, max_thread
 
     def make(share: Fraction, t: int) -> Plan:
         return build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
-                          staging_slots=staging_slots, placement=plan.placement)
+                          staging_slots=staging_slots, placement=plan.placement,
+                          state_dtype=plan.state_dtype)
 
     if plan.resident != tuple(range(r)):  # build_plan makes the first subgroups resident
         return [(plan, predict(plan, calib, **kw).total_s)]

@@ -20,7 +20,6 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import adam
-from .buffers import thirds
 from .partition import Layout
 from .plan import Plan
 
@@ -82,16 +81,16 @@ class Lanes:
     def _update_on_device(self, s: int, state: torch.Tensor, hyper, scale_t) -> None:
         sg = self.layout.subgroups[s]
         h = hyper[sg.bucket]
-        master, m, v = thirds(state, sg.numel)
+        views = self.dev.fmt.views(state, sg.numel)
         grad, param = self.dev.grad(self.layout, s), self.dev.param(self.layout, s)
         for lo, hi, step in self.segments(s, h.step):  # per-parameter steps (dos.params)
             if step is None:
                 continue  # no gradient this step: untouched, as torch.optim.AdamW
-            step_t = self.step_t[sg.bucket] if step == h.step else torch.full((), float(step), device=master.device)
-            adam.device_adamw_(master[lo:hi], m[lo:hi], v[lo:hi], grad[lo:hi], param[lo:hi],
-                               step_t=step_t, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                               eps=h.eps, weight_decay=h.weight_decay, scale_t=scale_t,
-                               scratch=self.dev.scratch)
+            step_t = self.step_t[sg.bucket] if step == h.step else torch.full((), float(step), device=state.device)
+            adam.device_state_step_(self.dev.fmt, views, grad, param, lo=lo, hi=hi, step_t=step_t,
+                                    lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                                    weight_decay=h.weight_decay, scale_t=scale_t,
+                                    scratch=self.dev.scratch)
 
     def _resident(self, hyper, scale_t) -> None:
         for s, state in self.dev.resident.items():
@@ -102,7 +101,8 @@ class Lanes:
         slots, free, tl = self.dev.slots, self.free, self.tl
         for j, s in enumerate(self.plan.staged_order):
             k, n = j % len(slots), self.layout.subgroups[s].numel
-            slot, host = slots[k][: 3 * n], self.host.state[s]
+            host = self.host.state[s]
+            slot = slots[k][: host.numel()]
             # H2D may overwrite the slot only after its previous subgroup's D2H has read it, and
             # may read the host state only after this subgroup's last write-back landed there.
             with tl.stage("h2d", [(free[k], "d2h->h2d(slot)"), (self.written[s], "d2h->h2d(state)")],
@@ -134,15 +134,15 @@ class Lanes:
         sync.host_wait(self.grads.d2h[s], "grad_d2h->cpu_update")
         sync.host_wait(self.written[s], "d2h->cpu_update")
         t0 = time.perf_counter()
-        master, m, v = thirds(self.host.state[s], sg.numel)
+        views = self.dev.fmt.views(self.host.state[s], sg.numel)
         g = self.host.grad[s]
         for lo, hi, step in self.segments(s, h.step):  # per-parameter steps (dos.params)
             if step is None:  # no gradient this step: untouched; its weights go up unchanged
-                g[lo:hi].copy_(master[lo:hi])
+                g[lo:hi].copy_(views.master[lo:hi])
                 continue
-            adam.cpu_adamw_(master[lo:hi], m[lo:hi], v[lo:hi], g[lo:hi], g[lo:hi], step=step, lr=h.lr,
-                            beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                            grad_scale=scale, threads=max(1, self.plan.cpu_threads - spare))
+            adam.cpu_state_step_(self.dev.fmt, views, g, g, lo=lo, hi=hi, step=step, lr=h.lr,
+                                 beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                                 grad_scale=scale, threads=max(1, self.plan.cpu_threads - spare))
         span = ("cpu", s, sg.numel, t0, time.perf_counter())
         if spans is None:
             self.tl.host(*span)

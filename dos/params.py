@@ -51,7 +51,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .buffers import thirds
 from .partition import Layout, ParamSlot, subgroups_of
 from .plan import CPU
 
@@ -292,7 +291,7 @@ class ParamTracker(StepCounts):
                 sg = self.layout.subgroups[s]
                 lo, hi = max(slot.offset, sg.start), min(slot.offset + slot.numel, sg.stop)
                 state = self.dev.resident[s] if s in self.dev.resident else self.host.state[s]
-                master = thirds(state, sg.numel)[0]
+                master = self.dev.fmt.views(state, sg.numel).master
                 master[lo - sg.start: hi - sg.start].copy_(src[lo - slot.offset: hi - slot.offset])
             self.pver[slot] = p._version
             self.resynced_params += 1

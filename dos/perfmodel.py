@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .plan import CPU, RESIDENT, STAGED, STATE_BYTES, Plan
+from .plan import CPU, RESIDENT, STAGED, STATE_BYTES, Plan, state_bytes
 
 SCRATCH_BYTES = 4  # fp32 widening buffer of a low-precision gradient, per subgroup element
 MAX_STRIDE = 16
@@ -154,6 +154,12 @@ class Calibration:
         return cls(**d)
 
 
+# CPU-lane speed of a state format relative to the fp32 kernel the calibration timed, where the lane
+# is bound by host memory: bytes per element moved (state read and written, gradient in, weights out)
+# 2*12+2+2 = 28 for fp32 against 2*8+2+2 = 20 with bf16 moments. int8's decode/encode costs compute
+# (0.62x fp32 on one core): 1.0 until measured (DESIGN.md §10).
+CPU_FORMAT_SPEEDUP = {"fp32": 1.0, "bf16": 28 / 20, "int8": 1.0}
+
 def host_traffic_peak(calib: Calibration, grad_bytes: int = 2, param_bytes: int = 2) -> Optional[float]:
     """The most host-memory bytes/s the calibration saw moved (docs/DESIGN.md §9.3): over thread
     counts, CPU AdamW (24 B of state read and written, the gradient in, the weights out per
@@ -241,12 +247,13 @@ class Pipe:
 
 
 def pipeline(numels: Sequence[int], slots: int, h2d_bw: float, d2h_bw: float, gpu_rate: float,
-             gpu_start: float = 0.0) -> Pipe:
-    """The staged lane: H2D -> GPU update -> D2H per subgroup, `slots` subgroups in flight."""
+             gpu_start: float = 0.0, sb: float = STATE_BYTES) -> Pipe:
+    """The staged lane: H2D -> GPU update -> D2H per subgroup, `slots` subgroups in flight;
+    `sb` state bytes per element."""
     h_end, g_end, d_ends = 0.0, gpu_start, []
     h2d = gpu = d2h = 0.0
     for j, n in enumerate(numels):
-        h, g, d = STATE_BYTES * n / h2d_bw, n / gpu_rate, STATE_BYTES * n / d2h_bw
+        h, g, d = sb * n / h2d_bw, n / gpu_rate, sb * n / d2h_bw
         slot_free = d_ends[j - slots] if j >= slots else 0.0
         h_end = max(h_end, slot_free) + h
         g_end = max(g_end, h_end) + g
@@ -287,15 +294,20 @@ def predict(plan: Plan, calib: Calibration, *, grad_bytes: int = 2, param_bytes:
     staged = [plan.numels[s] for s in plan.staged_order]
     if (staged or n_res) and not calib.has_gpu:
         raise ValueError("the plan updates on the GPU but the calibration has no GPU rates")
-    t = plan.cpu_threads
-    r_alone, r_dma = calib.cpu(t), calib.cpu(t, dma=True)
+    t, sb = plan.cpu_threads, state_bytes(plan)
+    # The calibration timed the fp32 kernel. Another state format moves fewer bytes per element;
+    # where the CPU lane is bound by host memory (16 threads on the H200 host) its rate scales with
+    # the traffic: CPU_FORMAT_SPEEDUP (an assumption until measured in situ: DESIGN.md §10; the
+    # online refinement and the exploration correct it from the lane timelines).
+    f = CPU_FORMAT_SPEEDUP.get(plan.state_dtype, 1.0)
+    r_alone, r_dma = f * calib.cpu(t), f * calib.cpu(t, dma=True)
     t_res = n_res / calib.gpu_rate if n_res else 0.0
     if staged:
         u = param_bytes * r_dma if n_cpu else 0.0
         h2d_c = max(calib.h2d_cpu(t) - u, 0.1 * calib.h2d_cpu(t))
-        p_dma = pipeline(staged, plan.staging_slots, h2d_c, calib.d2h_cpu(t), calib.gpu_rate, t_res)
+        p_dma = pipeline(staged, plan.staging_slots, h2d_c, calib.d2h_cpu(t), calib.gpu_rate, t_res, sb)
         p_alone = pipeline(staged, plan.staging_slots, calib.h2d_duplex_bw, calib.d2h_duplex_bw,
-                           calib.gpu_rate, t_res)
+                           calib.gpu_rate, t_res, sb)
     else:
         p_dma = p_alone = Pipe(0.0, 0.0, 0.0, 0.0)
     t_cpu, t_staged, frac = overlap(n_cpu, r_alone, r_dma, p_dma.span, p_alone.span)
@@ -306,8 +318,8 @@ def predict(plan: Plan, calib: Calibration, *, grad_bytes: int = 2, param_bytes:
     bw_down = calib.d2h_bw or float("inf")
     tail = param_bytes * plan.numels[plan.cpu_order[-1]] / bw_up if n_cpu else 0.0
     lanes = {"cpu": t_cpu + tail, "staged": t_staged, "gpu": gpu,
-             "h2d": (STATE_BYTES * sum(staged) + param_bytes * n_cpu) / bw_up,
-             "d2h": STATE_BYTES * sum(staged) / bw_down}
+             "h2d": (sb * sum(staged) + param_bytes * n_cpu) / bw_up,
+             "d2h": sb * sum(staged) / bw_down}
     if calib.host_mem_bw:  # host DRAM: CPU AdamW's traffic, staged state both ways, uploads
         lanes["host_mem"] = host_bytes(plan, grad_bytes, param_bytes, n_cpu) / calib.host_mem_bw
     total = max(lanes.values())
@@ -323,8 +335,8 @@ def host_bytes(plan: Plan, grad_bytes: int = 2, param_bytes: int = 2,
     read and written, the gradient read, the weights written and read again by their upload; per
     staged element the state each way. `n_cpu`: CPU elements left for step() (head start)."""
     n_cpu = plan.numel(CPU) if n_cpu is None else n_cpu
-    return ((2 * STATE_BYTES + grad_bytes + 2 * param_bytes) * n_cpu
-            + 2 * STATE_BYTES * plan.numel(STAGED))
+    sb = state_bytes(plan)
+    return (2 * sb + grad_bytes + 2 * param_bytes) * n_cpu + 2 * sb * plan.numel(STAGED)
 
 
 def _bottleneck(lanes: Dict[str, float], total: float, h2d: float, gpu: float, d2h: float) -> str:
@@ -347,16 +359,17 @@ def spread(count: int, share: Fraction) -> Tuple[bool, ...]:
 
 
 def build_plan(numels: Sequence[int], *, resident: int, staged_share: Fraction, cpu_threads: int,
-               staging_slots: int, placement: str = "interleaved") -> Plan:
+               staging_slots: int, placement: str = "interleaved", state_dtype: str = "fp32") -> Plan:
     """A Plan with the first `resident` subgroups (flat order, as `plan.resident_subgroups`) resident
     and `staged_share` of the others staged, spread over the gradient-ready order. Memoized (Plans
     are immutable): the online search rebuilds the same candidates every step."""
-    return _build_plan(tuple(numels), resident, Fraction(staged_share), cpu_threads, staging_slots, placement)
+    return _build_plan(tuple(numels), resident, Fraction(staged_share), cpu_threads, staging_slots,
+                       placement, state_dtype)
 
 
 @functools.lru_cache(maxsize=4096)
 def _build_plan(numels: Tuple[int, ...], resident: int, staged_share: Fraction, cpu_threads: int,
-                staging_slots: int, placement: str) -> Plan:
+                staging_slots: int, placement: str, state_dtype: str) -> Plan:
     n = len(numels)
     rest = [i for i in reversed(range(n)) if i >= resident]  # gradient-ready order, as make_plan
     share = staged_share
@@ -368,7 +381,7 @@ def _build_plan(numels: Tuple[int, ...], resident: int, staged_share: Fraction, 
     stride = share.denominator if staged and share.numerator == 1 else None
     return Plan(placement=placement, stride=stride, lanes=lanes, numels=tuple(numels),
                 cpu_order=tuple(cpu), staged_order=tuple(staged), cpu_threads=cpu_threads,
-                staging_slots=min(staging_slots, len(staged)))
+                staging_slots=min(staging_slots, len(staged)), state_dtype=state_dtype)
 
 
 def shares(max_stride: int = MAX_STRIDE) -> List[Fraction]:
@@ -380,17 +393,19 @@ def shares(max_stride: int = MAX_STRIDE) -> List[Fraction]:
 
 def memory_options(numels: Sequence[int], free_gpu_bytes: float, staging_slots: int,
                    subgroup_numel: int, grad_bytes: int = 2,
-                   resident: Optional[int] = None) -> List[Tuple[int, int]]:
+                   resident: Optional[int] = None, sb: float = STATE_BYTES) -> List[Tuple[int, int]]:
     """(resident subgroups, staging slots) pairs that fit `free_gpu_bytes`: for each slot count the
     most resident subgroups that fit (or the given `resident`). Resident state costs 12 B/element,
     a slot 12 B x subgroup_numel, and any GPU update of low-precision gradients a 4 B scratch."""
     prefix = [0]
     for n in numels:
-        prefix.append(prefix[-1] + STATE_BYTES * n)
-    scratch = SCRATCH_BYTES * subgroup_numel if grad_bytes < 4 else 0
+        prefix.append(prefix[-1] + sb * n)
+    # fp32 scratch: widening a low-precision gradient (4 B), decoding compressed moments (12 B)
+    scratch = (SCRATCH_BYTES * (3 if sb < STATE_BYTES else 1) * subgroup_numel
+               if grad_bytes < 4 or sb < STATE_BYTES else 0)
     out = set()
     for slots in range(staging_slots + 1):
-        fixed = slots * STATE_BYTES * subgroup_numel
+        fixed = slots * sb * subgroup_numel
         candidates = [resident] if resident is not None else range(len(numels), -1, -1)
         for r in candidates:
             need = fixed + prefix[r] + (scratch if slots or r else 0)
@@ -409,7 +424,7 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
            param_bytes: int = 2, resident: Optional[int] = None,
            placement: str = "interleaved", staged_shares: Optional[Sequence[Fraction]] = None,
            threads: Optional[Sequence[int]] = None, exact_slots: bool = False,
-           head_start_s: float = 0.0) -> Tuple[Plan, Prediction]:
+           head_start_s: float = 0.0, state_dtype: str = "fp32") -> Tuple[Plan, Prediction]:
     """The Plan with the least predicted update phase, and its prediction.
 
     Searches the resident share (as much as `free_gpu_bytes` holds beside each slot count 0..
@@ -426,7 +441,9 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
     numels = tuple(numels)
     sg = subgroup_numel or max(numels, default=0)
     if calib.has_gpu:
-        memory = memory_options(numels, free_gpu_bytes, staging_slots, sg, grad_bytes, resident)
+        from .state_format import state_format
+        memory = memory_options(numels, free_gpu_bytes, staging_slots, sg, grad_bytes, resident,
+                                state_format(state_dtype).bytes_per_element)
     else:
         memory = [(0, 0)]
     if exact_slots:
@@ -441,7 +458,7 @@ def choose(numels: Sequence[int], calib: Calibration, *, free_gpu_bytes: float, 
         for share in (searched if slots and r < len(numels) else [Fraction(0)]):
             for t in threads:
                 plan = build_plan(numels, resident=r, staged_share=share, cpu_threads=t,
-                                  staging_slots=slots, placement=placement)
+                                  staging_slots=slots, placement=placement, state_dtype=state_dtype)
                 pred = predict(plan, calib, grad_bytes=grad_bytes, param_bytes=param_bytes,
                                head_start_s=head_start_s)
                 key = (pred.total_s, -t, -r)

@@ -19,7 +19,8 @@ from .partition import Layout
 
 CPU, STAGED, RESIDENT = "cpu", "staged", "resident"
 LANES = (CPU, STAGED, RESIDENT)
-STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per element (a staged copy moves it each way)
+STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per element (a staged copy moves it each way);
+# other state formats: state_bytes(plan) (dos/state_format.py)
 
 # Until the performance model chooses it, "auto" streams every 2nd non-resident subgroup through
 # the GPU: on the H200 host PCIe duplex (~4 G params/s at 12 B each way) and CPU Adam (2-4 G/s)
@@ -52,6 +53,8 @@ class Plan:
     source: str = "config"
     """Who made it: "config" (placement and stride as given), "rule" (stride="auto" without a
     calibration: AUTO_STRIDE), "perfmodel" (stride="auto": the model's choice), "replan"."""
+    state_dtype: str = "fp32"
+    """The moments' storage (dos/state_format.py): the bytes every copy and the host memory move."""
 
     def __post_init__(self):
         if len(self.numels) != len(self.lanes):
@@ -91,6 +94,7 @@ class Plan:
             "staging_slots": self.staging_slots,
             "predicted_step_s": self.predicted_step_s,
             "source": self.source,
+            "state_dtype": self.state_dtype,
             "lanes": "".join(x[0] for x in self.lanes),
             "cpu_order": list(self.cpu_order),
             "staged_order": list(self.staged_order),
@@ -119,7 +123,7 @@ def resident_subgroups(layout: Layout, fraction: float) -> Tuple[int, ...]:
 
 
 def make_plan(layout: Layout, *, placement: str, stride, gpu_fraction: float, cpu_threads: int,
-              staging_slots: int) -> Plan:
+              staging_slots: int, state_dtype: str = "fp32") -> Plan:
     """The plan a placement setting asks for. `stride="auto"` uses AUTO_STRIDE."""
     n = len(layout.subgroups)
     if placement == "gpu":
@@ -144,6 +148,12 @@ def make_plan(layout: Layout, *, placement: str, stride, gpu_fraction: float, cp
                 numels=tuple(s.numel for s in layout.subgroups),
                 cpu_order=tuple(i for i in rest if i not in staged_set),
                 staged_order=tuple(staged), cpu_threads=cpu_threads,
-                staging_slots=min(staging_slots, len(staged)) if staged else 0)
+                staging_slots=min(staging_slots, len(staged)) if staged else 0, state_dtype=state_dtype)
 
 
+
+
+def state_bytes(plan: Plan) -> float:
+    """Bytes of optimizer state per element of `plan`'s format (a staged copy moves them each way)."""
+    from .state_format import state_format
+    return state_format(plan.state_dtype).bytes_per_element

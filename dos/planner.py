@@ -40,6 +40,7 @@ def cores_per_rank(local_ranks: int = 1) -> int:
 class Planner:
     def __init__(self, config: EngineConfig, layout: Layout, itemsize: int, device: torch.device,
                  local_ranks: int = 1):
+        # every plan made here carries the config's state format (its bytes in the model)
         self.config, self.layout = config, layout
         self._bytes = dict(grad_bytes=itemsize, param_bytes=itemsize)
         self.max_threads = config.cpu_threads or cores_per_rank(local_ranks)
@@ -93,13 +94,14 @@ class Planner:
         cfg, calib = self.config, self.calibration
         plan = make_plan(self.layout, placement=cfg.placement, stride=cfg.stride,
                          gpu_fraction=cfg.fixed_fraction, cpu_threads=self.max_threads,
-                         staging_slots=cfg.staging_slots)
+                         staging_slots=cfg.staging_slots, state_dtype=cfg.state_dtype)
         if calib is None:
             return plan
         if cfg.placement == "interleaved" and cfg.stride == "auto":
             plan, _ = perfmodel.choose(plan.numels, calib, free_gpu_bytes=float("inf"),
                                        max_threads=self.max_threads, staging_slots=cfg.staging_slots,
-                                       resident=len(plan.resident), **self._bytes)
+                                       resident=len(plan.resident), state_dtype=cfg.state_dtype,
+                                       **self._bytes)
             return plan.replace(source="perfmodel")
         return plan.replace(predicted_step_s=perfmodel.predict(plan, calib, **self._bytes).total_s)
 
@@ -273,14 +275,15 @@ class Planner:
             plan, _ = perfmodel.choose(
                 self.plan.numels, self.calibration, free_gpu_bytes=free, max_threads=self.max_threads,
                 staging_slots=len(self._dev.slots), subgroup_numel=self.layout.subgroup_numel,
-                placement=cfg.placement, staged_shares=staged_shares, **self._bytes)
+                placement=cfg.placement, staged_shares=staged_shares, state_dtype=cfg.state_dtype,
+                **self._bytes)
         except ValueError:
             return  # nothing of that shape fits: keep the plan
         self._sync.synchronize()  # no copy still reads a slot or a host block given up below
         self._lanes.keep_slots(plan.staging_slots if plan.staged_order else 0)
         for s in plan.resident:
             if s not in self._dev.resident:
-                self._dev.add_resident(s, self._host.state[s])
+                self._dev.add_resident(s, self._host.state[s], self.layout.subgroups[s].numel)
                 self._host.release(s)
         self.set_plan(plan.replace(source="perfmodel"), step, free_gpu_bytes=free)
 

@@ -114,6 +114,7 @@ def replan(plan: Plan, calib: Calibration, *, margin: float = 0.05, keep_memory:
         # only with every allocated slot (what a full search costs: docs/DESIGN.md §10).
         choose_kw.setdefault("threads", [plan.cpu_threads])
         choose_kw.setdefault("exact_slots", True)
+    choose_kw.setdefault("state_dtype", plan.state_dtype)
     new, pred = choose(plan.numels, calib, placement=plan.placement, **choose_kw)
     if current.total_s > (1 + margin) * pred.total_s:
         return new, pred

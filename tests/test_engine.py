@@ -306,7 +306,7 @@ def test_auto_plan_from_a_calibration_is_predicted_and_exact(monkeypatch):
     import dos.planner
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
                           cpu_threads=16)
     assert opt.plan.predicted_step_s is not None and 0 < opt.plan.share("staged") < 1
@@ -347,7 +347,7 @@ def test_online_refinement_replans_from_measured_lane_times(monkeypatch):
 
     fast = dataclasses.replace(DESIGN_H200, cpu_rate=tuple(r * 20 for r in DESIGN_H200.cpu_rate),
                                cpu_rate_dma=tuple(r * 20 for r in DESIGN_H200.cpu_rate_dma))
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: fast)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: fast)
     a, opt, b, ref = pair("transformer", subgroup_numel=500, placement="interleaved", stride="auto",
                           cpu_threads=2)
     first = opt.plan
@@ -373,7 +373,7 @@ def test_auto_gpu_fraction_sizes_resident_state_from_free_memory(monkeypatch, pl
 
     sg_numel = 500
     sg_bytes = 12 * sg_numel
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     budget = []  # the free bytes the engine was told
 
     def free(dev):
@@ -444,7 +444,7 @@ def test_refinement_searches_only_after_the_rates_moved(monkeypatch):
     from dos import refine
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     searches, drift = [], [0.0]
     monkeypatch.setattr(refine, "update", lambda calib, *a, **k: dataclasses.replace(
         calib, gpu_rate=calib.gpu_rate * (1 + drift[0])))
@@ -568,7 +568,7 @@ def test_overlap_backward_measures_its_head_start_and_replans_with_it(monkeypatc
     import dos.planner
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     # Deterministic (no wall-clock dependence): the clock is a counter advancing 1 ms per read, and
     # the worker catches up before each step() (no backlog: the head start is its window, which
     # spans at least its first update's reads of the clock). With real time and a worker still on
@@ -629,7 +629,7 @@ def test_overlap_head_start_of_a_worker_behind_is_its_finished_work(monkeypatch)
     import dos.planner
     from dos.perfmodel import DESIGN_H200
 
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     a, opt, b, ref = pair("transformer", subgroup_numel=700, placement="cpu", cpu_threads=2,
                           overlap_backward=True)
     _slow_worker(opt, 0.1)

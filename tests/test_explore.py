@@ -32,7 +32,7 @@ def near(share):  # fastest at the staged share `share`, 1 s per unit of share a
 
 @pytest.fixture
 def exploring(monkeypatch):
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     monkeypatch.setattr(dos.planner, "_explores", lambda device: True)
 
 
@@ -177,7 +177,7 @@ def test_no_exploration_without_a_calibration_or_on_fixed_strides(monkeypatch):
     monkeypatch.setattr(dos.planner, "_explores", lambda device: True)
     opt = dos.DeepOptimizerStates(make_model("odd").parameters(), stride="auto")
     assert not opt.planner.exploring  # no calibration on CPU parameters
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     opt = dos.DeepOptimizerStates(make_model("odd").parameters(), stride=2)
     assert not opt.planner.exploring
     assert not dos.DeepOptimizerStates(make_model("odd").parameters(), stride="auto",
@@ -277,7 +277,7 @@ def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_exploration_on_the_gpu_times_with_events_and_stays_exact(monkeypatch):
     monkeypatch.setenv("DOS_EXPLORE", "1")  # opt-in on CUDA until the H200 sweeps have measured it
-    monkeypatch.setattr(dos.planner, "_calibration", lambda device: DESIGN_H200)
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     a, opt, b, ref = pair("transformer", "cuda", subgroup_numel=500, placement="interleaved",
                           stride="auto", cpu_threads=2)
     assert opt.planner.exploring
