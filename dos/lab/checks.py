@@ -567,8 +567,9 @@ def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str
         if not held:
             parts = []
             if nominal > t:
-                parts.append(f"the format needs {nominal:.4f} B ({'two fp32 scales per 2048-element block: '
-                             '8/2048 = 0.0039 B per element' if dt == 'int8' else 'nominal'})")
+                why = ("two fp32 scales per 2048-element block: 8/2048 = 0.0039 B per element"
+                       if dt == "int8" else "nominal")
+                parts.append(f"the format needs {nominal:.4f} B ({why})")
             if v > nominal:
                 parts.append(f"padding +{v - nominal:.4f} B (64-element alignment, short last block)")
             reason = "; ".join(parts) or "above target"
