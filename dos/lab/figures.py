@@ -90,6 +90,25 @@ def prepare(results, smoke_results=None, sweep=None, smoke_sweep=None, rerun: bo
     return plotted(results, smoke_results, smoke=smoke, rerun=rerun)
 
 
+def per_source(dirs, results, status=("ok",)) -> list:
+    """The rows of each RESULTS directory, in its order, from the directories `prepare` returned
+    (for a notebook that reads several sweeps, one panel each): a RESULTS directory not among
+    `dirs` gives an empty frame, and smoke records (one directory that is none of RESULTS) stand
+    for every one of them."""
+    dirs, wanted = [R.resolve(d) for d in dirs], R.as_paths(results)
+    if dirs and not set(dirs) & set(wanted):
+        return [R.rows(dirs, status=status) for _ in wanted]
+    return [R.rows([d], status=status) if d in dirs else R.rows([], status=status) for d in wanted]
+
+
+def missing(dirs, results, sweeps) -> List[str]:
+    """One line per RESULTS directory without `ok` records: the sweep that fills it."""
+    have = {R.resolve(d) for d in dirs if R.has_records(d)}
+    sweeps = [sweeps] if isinstance(sweeps, (str, Path)) else list(sweeps)
+    return [f"no records yet in {R.relative(d)}: run `python -m dos sweep {sw} --out {R.relative(d)}` (GPU machine)"
+            for d, sw in zip(R.as_paths(results), sweeps) if d not in have]
+
+
 def prepare_calibration(results, smoke_results, rerun: bool = False, smoke: bool = False):
     """Figure 3's sources: (calibration json, kernel-benchmark dirs). RERUN measures this machine
     into a new file beside the recorded one; SMOKE measures a rough CPU-only profile."""

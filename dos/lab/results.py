@@ -100,6 +100,12 @@ def _spec_fields(text: str) -> dict:
     return {f"spec_{k}": run.get(k) for k in SPEC_KNOBS}
 
 
+def _run_field(text: str, name: str):
+    """Field `name` of the RunSpec recorded in a row's config (None where absent)."""
+    run = (json.loads(text).get("run") or {}) if isinstance(text, str) and text.startswith("{") else {}
+    return run.get(name)
+
+
 def _derive(df: pd.DataFrame) -> pd.DataFrame:
     fractions = df["gpu_fraction"] if "gpu_fraction" in df else [None] * len(df)
     specs = [_spec_fields(c) for c in df["config"]]
@@ -113,8 +119,10 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df = pd.concat([df, plan.apply(pd.to_numeric, errors="coerce")], axis=1)
     if "state_dtype" not in df:
         df["state_dtype"] = ""
-    implied = [("bf16" if s == "deepspeed-zero2-offload-bf16" or (s == "torchao-cpu-offload" and d == "bf16")
-                else "fp32") for s, d in zip(df["system"], df["dtype"] if "dtype" in df else [""] * len(df))]
+    implied = [(_run_field(c, "moments") or "fp32" if s == "dos" else
+                "bf16" if s == "deepspeed-zero2-offload-bf16" or (s == "torchao-cpu-offload" and d == "bf16")
+                else "fp32") for s, d, c in zip(df["system"], df["dtype"] if "dtype" in df else [""] * len(df),
+                                                 df["config"])]
     df["state_dtype"] = [x if isinstance(x, str) and x else i for x, i in zip(df["state_dtype"], implied)]
     for c in ("batch_id", "gpu_uuid", "boot_id"):
         df[c] = df[c].fillna("") if c in df else ""
@@ -195,8 +203,9 @@ def superseded(df: pd.DataFrame) -> pd.Series:
 
 def defaults_only(df: pd.DataFrame) -> pd.DataFrame:
     """Rows at the default settings but for the placement knobs: stride "auto" for dos interleaved,
-    the smallest micro-batch, synthetic data, no GPU memory cap, no other knob set."""
+    dos with fp32 moments, the smallest micro-batch, synthetic data, no GPU memory cap, no other knob set."""
     keep = ((df["stride"].isin(["auto", ""]) | df["stride"].isna())
+            & (df["system"].ne("dos") | df["state_dtype"].eq("fp32"))  # issue 17: fp32 moments
             & df["gpu_mem_cap_gib"].isna() & df["data"].isin(["synthetic", ""])
             & df[[f"spec_{k}" for k in SPEC_KNOBS]].isna().all(axis=1)
             & (df["micro_batch"] == df["micro_batch"].min()))

@@ -180,6 +180,12 @@ def _short(d: dict) -> str:
 
 # ---------------------------------------------------------------- preflight
 
+DOS_STATE_BPP = {"fp32": 14.0, "bf16": 10.0, "int8": 8.0 + 8 / 2048}
+"""dos's host bytes per non-resident parameter by moment format (RunSpec.moments): fp32 master, the
+two moments (4 + 4, 2 + 2, or 1 + 1 with two fp32 scales per 2048-element block) and the bf16
+gradient slot (dos.state_format)."""
+
+
 def host_bytes_estimate(spec: RunSpec) -> tuple:
     """(bytes of host memory the run needs, how it was estimated). Conservative, from §8's facts."""
     from dos.lab.bench.models import preset
@@ -190,7 +196,7 @@ def host_bytes_estimate(spec: RunSpec) -> tuple:
         # gpu_fraction "auto" starts with all state on the host (the resident share is sized later)
         fixed = 0.0 if spec.gpu_fraction == "auto" else spec.gpu_fraction or 0.0
         share = 0.0 if spec.placement == "gpu" else 1.0 - fixed
-        host_bpp = 14.0 * share  # fp32 master + 2 moments + bf16 gradient slot
+        host_bpp = DOS_STATE_BPP[spec.moments or "fp32"] * share
     elif s == "deepspeed-zero2-offload":
         host_bpp = 22.0  # fp32 master + moments + fp32 gradient partition, pinned (issue 16: 20-25)
     elif s == "deepspeed-zero2-offload-bf16":
@@ -204,7 +210,8 @@ def host_bytes_estimate(spec: RunSpec) -> tuple:
         host_bpp = 0.0
     dev_bpp = 0.0
     if spec.device == "cpu":  # the "device" memory is host memory too
-        dev_bpp = 4.0 + (16.0 if s == "torch-cpu" else 14.0 - host_bpp if s == "dos" else 12.0)
+        dev_bpp = 4.0 + (16.0 if s == "torch-cpu" else DOS_STATE_BPP[spec.moments or "fp32"] - host_bpp
+                         if s == "dos" else 12.0)
     base = (1.5 if spec.device == "cpu" else 3.0) + (1.0 if s.startswith("deepspeed") else 0.0)
     base *= spec.gpus  # one process per GPU; the optimizer state is sharded: its total is unchanged
     need = n * (host_bpp + dev_bpp) + base * _GIB

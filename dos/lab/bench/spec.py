@@ -34,6 +34,8 @@ MULTI_GPU = {"dos"}
 """Systems other than DeepSpeed's that run with gpus > 1 (dos through FSDP2)."""
 PLACEMENTS = ("cpu", "static", "interleaved", "gpu")
 DATA = ("synthetic", "stdlib")
+MOMENTS = ("fp32", "bf16", "int8")
+"""dos's moment formats (dos.state_format.STATE_DTYPES; not imported here: this module stays light)."""
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -78,6 +80,11 @@ class RunSpec:
     """dos: GPU staging slots (None: the engine's default)."""
     overlap_backward: Optional[bool] = None
     """dos: start the CPU lane during backward (None: off; needs max_grad_norm None)."""
+    moments: Optional[str] = None
+    """dos: how the AdamW moments are stored, `DeepOptimizerStates(state_dtype=...)` (issue 17):
+    "fp32", "bf16" (round to nearest even) or "int8" (block-quantized, 2048-element blocks); the
+    master weights and the math stay fp32. None: the engine's default (fp32). Named `moments`, not
+    `state_dtype`, beside the method `state_dtype()` (what the row's `state_dtype` column says)."""
     sub_group_size: Optional[int] = None
     """DeepSpeed ZeRO-3 sub_group_size (None: 1e8, as in DESIGN.md §8)."""
     ds_zero: Optional[dict] = None
@@ -136,7 +143,10 @@ class RunSpec:
         """Precision of the optimizer state (master weights and moments) the system keeps: fp32 for
         dos, torch and DeepSpeed's mixed precision; bf16 for DeepSpeed's bf16 mode and for torchao
         (its state follows the parameters' dtype). The row's value comes from the built system
-        where it can say (systems.*.describe); this is what the configuration implies."""
+        where it can say (systems.*.describe); this is what the configuration implies (dos: its
+        `moments`, fp32 by default)."""
+        if self.system == "dos":
+            return self.moments or "fp32"
         if self.system == "deepspeed-zero2-offload-bf16":
             return "bf16"
         if self.system == "torchao-cpu-offload":
@@ -151,6 +161,8 @@ class RunSpec:
             parts.append(f"k={self.stride}")
         if self.gpu_fraction:
             parts.append(f"f={self.gpu_fraction}")
+        if self.moments:
+            parts.append(f"moments={self.moments}")
         if self.overlap_backward:
             parts.append("overlap")
         if self.clip_by == "client":
@@ -248,7 +260,7 @@ def _only(s: RunSpec, names, who: str):
 
 def _validate_system(s: RunSpec) -> None:
     dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots",
-                "overlap_backward", "clip_by")
+                "overlap_backward", "clip_by", "moments")
     if s.system == "dos":
         _only(s, ("ratio", "sub_group_size", "ds_zero"), "dos")
         if s.placement not in PLACEMENTS:
@@ -269,6 +281,8 @@ def _validate_system(s: RunSpec) -> None:
             raise ConfigError(f"impossible configuration: placement {s.placement!r} takes no "
                               f"gpu_fraction (got {f}); use placement 'static' for a resident share")
         _check_type("overlap_backward", s.overlap_backward, (bool,), "true or false")
+        if s.moments is not None and s.moments not in MOMENTS:
+            raise ConfigError(f"moments must be one of {MOMENTS}, got {s.moments!r}")
         if s.clip_by not in (None, "engine", "client"):
             raise ConfigError(f"clip_by must be 'engine' or 'client', got {s.clip_by!r}")
         if s.clip_by is not None and s.max_grad_norm is None:

@@ -91,6 +91,8 @@ class DosSystem(_Base):
         kw = {k: getattr(spec, k) for k in ("stride", "gpu_fraction", "subgroup_numel", "cpu_threads",
                                             "staging_slots", "max_grad_norm", "overlap_backward")
               if getattr(spec, k) is not None}
+        if spec.moments is not None:  # issue 17: fp32 | bf16 | int8 moments (None: the default)
+            kw["state_dtype"] = spec.moments
         # clip_by "client": the client clips (as transformers.Trainer does), dos is told nothing
         self.client_clip = spec.max_grad_norm if spec.clip_by == "client" else None
         if self.client_clip is not None:
@@ -112,7 +114,7 @@ class DosSystem(_Base):
         d = self.opt.describe()  # the optimizer's own record: plan, config, kernel, host bytes
         cfg = {"engine": d["config"], **({"fsdp2": self.sharded} if self.sharded else {}),
                "clients": d["clients"], "clip_by": self.spec.clip_by}  # re-sends, deferred steps
-        return {"plan": d["plan"], "config": cfg, "state_dtype": "fp32",
+        return {"plan": d["plan"], "config": cfg, "state_dtype": d.get("state_dtype", "fp32"),
                 "predicted_step_s": d["plan"]["predicted_step_s"], "cpu_impl": d["cpu_impl"],
                 "host_bytes_per_param": d["host_bytes_per_param"], "online": d["online"]}
 

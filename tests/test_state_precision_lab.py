@@ -1,0 +1,185 @@
+"""Issue 17 in the lab: RunSpec.moments, the four checks (synthetic frames, both outcomes) and
+figure 13's panels. CPU only, a few seconds."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dos.lab import checks
+from dos.lab.bench.records import read_rows
+from dos.lab.bench.spec import ConfigError, RunSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- RunSpec.moments
+
+def test_moments_field_validated_labelled_and_dos_only():
+    s = RunSpec(system="dos", placement="cpu", moments="bf16")
+    assert s.state_dtype() == "bf16" and "moments=bf16" in s.label()
+    assert RunSpec(system="dos", placement="cpu").state_dtype() == "fp32"
+    assert s.run_id() != RunSpec(system="dos", placement="cpu").run_id()
+    with pytest.raises(ConfigError, match="moments must be one of"):
+        RunSpec(system="dos", placement="cpu", moments="fp16")
+    with pytest.raises(ConfigError, match="moments does not apply"):
+        RunSpec(system="torch-gpu", moments="bf16")
+    with pytest.raises(ConfigError, match="moments does not apply"):
+        RunSpec(system="deepspeed-zero2-offload-bf16", moments="bf16")
+
+
+def test_old_run_ids_are_unchanged_by_the_new_field():
+    """A recorded row's configuration (before `moments` existed) hashes to its recorded run_id."""
+    rows = [r for r in read_rows(ROOT / "experiments/results/h200-1.3b/runs.csv") if r["system"] == "dos"]
+    assert rows
+    for r in rows:
+        run = json.loads(r["config"])["run"]
+        assert "moments" not in run
+        assert RunSpec.from_dict(run).run_id() == r["run_id"]
+
+
+def test_preflight_counts_the_moment_format():
+    from dos.lab import sweep as sw
+
+    need = {m: sw.host_bytes_estimate(RunSpec(system="dos", placement="cpu", model="13B", moments=m))[0]
+            for m in ("fp32", "bf16", "int8")}
+    assert need["fp32"] > need["bf16"] > need["int8"]
+
+
+# ---------------------------------------------------------------- criterion 2
+
+def _steps(bf16_shift: float, n: int = 120, band=(0.0, 0.002, -0.002)):
+    rng = np.random.default_rng(0)
+    curve = 3.0 * np.exp(-np.arange(n) / 40) + 1.0 + rng.normal(0, 0.01, n)
+    out = []
+    for i, off in enumerate(band):
+        out.append(pd.DataFrame(dict(step=np.arange(n), loss=curve + off, run_id=f"t{i}", key="torch-gpu",
+                                     system="torch-gpu", state_dtype="fp32", measured=True)))
+    for dt, shift in (("fp32", 0.0), ("bf16", bf16_shift), ("int8", 0.05)):
+        out.append(pd.DataFrame(dict(step=np.arange(n), loss=curve * (1 + shift), run_id=f"d{dt}",
+                                     key="dos-interleaved", system="dos", state_dtype=dt, measured=True)))
+    out.append(pd.DataFrame(dict(step=np.arange(n), loss=curve * 1.2, run_id="ds", key="deepspeed-zero2-offload-bf16",
+                                 system="deepspeed-zero2-offload-bf16", state_dtype="bf16", measured=True)))
+    return pd.concat(out, ignore_index=True)
+
+
+@pytest.mark.parametrize("shift, verdict", [(0.0005, "PASS"), (0.008, "PASS"), (0.03, "MISS")])
+def test_state_dtype_convergence_check(shift, verdict):
+    chk = checks.state_dtype_convergence_check(_steps(shift)).set_index(["key", "state_dtype"])
+    bf16 = chk.loc[("dos-interleaved", "bf16")]
+    assert bf16["graded"] and bf16["baseline_runs"] == 3 and bf16["verdict"] == verdict
+    assert chk.verdict == verdict  # int8 (5% off: MISS) and DeepSpeed are reported, not graded
+    assert chk.loc[("dos-interleaved", "int8"), "verdict"] == "MISS"
+    assert not chk.loc[("dos-interleaved", "int8"), "graded"]
+    assert not chk.loc[("deepspeed-zero2-offload-bf16", "bf16"), "graded"]
+    assert "not graded" in chk.summary()
+    with pytest.raises(ValueError):
+        checks.state_dtype_convergence_check(pd.DataFrame())
+
+
+# ---------------------------------------------------------------- criterion 3
+
+def _speed(bf16_step: float, ds_iter: float = 2.0, batch="b1", runs=3):
+    out = []
+    for rep in range(runs):
+        j = 1 + 0.01 * rep
+        for key in ("dos-cpu", "dos-auto"):
+            for dt, step in (("fp32", 1.0), ("bf16", bf16_step), ("int8", 0.6)):
+                out.append(dict(key=key, state_dtype=dt, step_s=step * j, iter_s=(0.4 + step) * j))
+        out.append(dict(key="deepspeed-zero2-offload-bf16", state_dtype="bf16", step_s=1.0, iter_s=ds_iter * j))
+        out.append(dict(key="torchao-cpu-offload", state_dtype="bf16", step_s=2.0, iter_s=3.0 * j))
+    return pd.DataFrame(out).assign(status="ok", batch_id=batch, model="3B")
+
+
+@pytest.mark.parametrize("bf16_step, ds_iter, verdict", [(0.7, 2.0, "PASS"), (0.8, 2.0, "MISS"), (0.7, 1.0, "MISS")])
+def test_state_dtype_speed_check(bf16_step, ds_iter, verdict):
+    chk = checks.state_dtype_speed_check(_speed(bf16_step, ds_iter))
+    assert chk.verdict == verdict
+    upd = chk[chk["metric"].eq("step_s") & chk["state_dtype"].eq("bf16")]
+    assert upd["value"].tolist() == pytest.approx([1 / bf16_step] * 2)
+    assert (upd["runs"] == 3).all() and (upd["range_s"] != "").all()
+    assert not chk[chk["state_dtype"].eq("int8")]["graded"].any()
+    # ratios only within one batch: fp32 and bf16 in different batches are not compared
+    d = _speed(0.7)
+    split = d.assign(batch_id=np.where(d["state_dtype"].eq("fp32"), "b0", "b1"))
+    assert checks.state_dtype_speed_check(split)["metric"].eq("iter_s").all()
+    # fewer than 3 runs: no PASS
+    assert checks.state_dtype_speed_check(_speed(0.5, runs=2)).verdict == "MISS"
+    with pytest.raises(ValueError):
+        checks.state_dtype_speed_check(pd.DataFrame())
+
+
+# ---------------------------------------------------------------- criterion 4
+
+def _capacity(int8_status="ok", bf16_status="oom", fp32_steps=20):
+    base = dict(system="dos", key="dos-auto", loss_last=5.0, iter_s=3.0, peak_gpu_gib=120.0, peak_host_gib=100.0,
+                host_bytes_per_param=5.0, gpu_fraction=0.4, error="")
+    rows = [dict(base, model="13B", state_dtype="fp32", status="ok", steps=fp32_steps, run_id="a"),
+            dict(base, model="20B", state_dtype="bf16", status=bf16_status, steps=20, run_id="b",
+                 loss_last=np.nan if bf16_status != "ok" else 5.0, error="OutOfMemoryError: CUDA out of memory"),
+            dict(base, model="20B", state_dtype="int8", status=int8_status, steps=20, run_id="c"),
+            dict(base, system="deepspeed-zero2-offload", key="deepspeed-zero2-offload", model="13B", state_dtype="fp32",
+                 status="skipped", steps=20, run_id="d", loss_last=np.nan,
+                 error="host memory preflight: needs ~270.7 GiB (22 B/param x 13.02B params + 4.0 GiB base)")]
+    return pd.DataFrame(rows).assign(timestamp=[f"2026-12-0{i + 1}" for i in range(len(rows))])
+
+
+def test_capacity_check():
+    chk = checks.capacity_check(_capacity())
+    assert chk.verdict == "PASS"  # 20B: int8 ran, bf16's OOM reported beside it
+    r = chk.set_index(["model", "system", "state_dtype"])
+    assert not r.loc[("20B", "dos", "bf16"), "graded"] and r.loc[("20B", "dos", "bf16"), "verdict"] == "MISS"
+    assert r.loc[("13B", "deepspeed-zero2-offload", "fp32"), "host_need_gib"] == pytest.approx(270.7)
+    assert not r.loc[("13B", "deepspeed-zero2-offload", "fp32"), "graded"]
+    assert checks.capacity_check(_capacity(int8_status="oom")).verdict == "MISS"  # neither 20B format
+    assert checks.capacity_check(_capacity(fp32_steps=10)).verdict == "MISS"  # too few steps
+    with pytest.raises(ValueError):
+        checks.capacity_check(pd.DataFrame())
+
+
+# ---------------------------------------------------------------- criterion 5
+
+def _bytes(bf16: float, int8: float):
+    return pd.DataFrame([
+        dict(system="dos", model="3B", state_dtype="fp32", host_bytes_per_param=14.0, resident_fraction=0.0),
+        dict(system="dos", model="3B", state_dtype="bf16", host_bytes_per_param=bf16, resident_fraction=0.0),
+        dict(system="dos", model="3B", state_dtype="int8", host_bytes_per_param=int8 / 2, resident_fraction=0.5),
+        dict(system="dos", model="3B", state_dtype="bf16", host_bytes_per_param=0.0, resident_fraction=1.0),
+    ]).assign(status="ok", key="dos-cpu", run_id=list("abcd"))
+
+
+def test_host_bytes_check_reports_int8_scales_honestly():
+    chk = checks.host_bytes_check(_bytes(10.0, 8.0039)).set_index("state_dtype")
+    assert chk.loc["bf16", "verdict"] == "PASS" and chk.loc["int8", "verdict"] == "MISS"
+    assert chk.loc["int8", "per_nonresident_param"] == pytest.approx(8.0039)  # per non-resident parameter
+    assert "8/2048" in chk.loc["int8", "reason"] and not chk.loc["fp32", "graded"]
+    assert chk.verdict == "MISS"
+    ok = checks.host_bytes_check(_bytes(9.5, 7.9), targets={"bf16": 10.0, "int8": 8.0})
+    assert ok.verdict == "PASS"
+    padded = checks.host_bytes_check(_bytes(10.00002, 7.9)).set_index("state_dtype")
+    assert padded.loc["bf16", "verdict"] == "MISS" and "padding" in padded.loc["bf16", "reason"]
+    with pytest.raises(ValueError):
+        checks.host_bytes_check(pd.DataFrame())
+
+
+# ---------------------------------------------------------------- figure 13
+
+def test_state_precision_figure_with_and_without_rows(tmp_path):
+    pytest.importorskip("seaborn")
+    from dos.lab import plots, results
+
+    empty = results.rows([tmp_path / "none"])
+    fig = plots.state_precision(pd.DataFrame(), empty, empty, empty)
+    assert sum("no records yet" in t.get_text() for ax in fig.axes for t in ax.texts) == 3
+    steps = _steps(0.001)
+    where = dict(results_dir=str(tmp_path), gpu_name="NVIDIA H200", date="2026-12-05", smoke=False)
+    speed = _speed(0.7).assign(n_params=3e9, **where)
+    mem = _bytes(10.0, 8.0039).assign(n_params=3e9, **where)
+    rows = pd.DataFrame([dict(model="1.3B", **where)])
+    fig = plots.state_precision(steps, rows, speed, mem)
+    assert len(fig.axes[0].lines) == 4 and len(fig.axes[2].patches) == 3
+    plots.save(fig, tmp_path, "f")
+    assert all((tmp_path / f"f.{e}").stat().st_size > 1000 for e in ("png", "svg"))
