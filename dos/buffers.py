@@ -130,7 +130,7 @@ class HostArena:
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._registered: List[int] = []
         if pin and blocks:
-            self._pin()
+            self.pin()
         self.state: Dict[int, torch.Tensor] = {}  # uint8, fmt.nbytes(n): fmt.views(state, n)
         self.grad: Dict[int, torch.Tensor] = {}  # param dtype, n
         for s, b in blocks.items():
@@ -138,7 +138,9 @@ class HostArena:
             g = self.bytes[b.offset + b.grad_offset:]
             self.grad[s] = g[: dtypes[s].itemsize * b.numel].view(dtypes[s])
 
-    def _pin(self) -> None:
+    def pin(self) -> None:
+        """Page-lock every block (in parallel threads). Resident-first sizing (dos.planner) pins
+        only the blocks left once the resident share is known."""
         base = self.bytes.data_ptr()
         cudart = _cudart()
 
@@ -206,6 +208,15 @@ class DeviceBuffers:
         """Make subgroup s (n elements) resident: its state bytes (on the host) are copied to the
         device."""
         self.resident[s] = state.to(self.scratch.device, copy=True)
+        self._need_scratch(n)
+
+    def add_fresh_resident(self, layout: Layout, s: int) -> None:
+        """Make subgroup s resident with a fresh state (before any update): zero moments, the
+        master seeded from its weights on the device (resident-first: no host copy ever made)."""
+        n = layout.subgroups[s].numel
+        state = torch.zeros(self.fmt.nbytes(n), dtype=torch.uint8, device=self.scratch.device)
+        self.fmt.views(state, n).master.copy_(self.param(layout, s))
+        self.resident[s] = state
         self._need_scratch(n)
 
     def keep_slots(self, n: int) -> None:

@@ -74,7 +74,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.planner = planner = Planner(cfg, self.layout, dtypes[0].itemsize, device,
                                          local_ranks=binding.local_ranks())
         blocks, nbytes = arena_blocks(self.layout, planner.plan.lanes, [d.itemsize for d in dtypes], fmt)
-        binding.preflight(nbytes, self.layout.n_params, cfg.host_memory_limit_gib)  # before any allocation
+        # before any allocation; resident-first (gpu_fraction="auto"): a lower bound now, the
+        # exact check once the first iteration has sized the resident share (Planner.materialize)
+        binding.preflight(planner.host_need_bound(blocks), self.layout.n_params, cfg.host_memory_limit_gib)
 
         self._sync = make_sync(device, timing=cfg.trace or planner.refining)
         self._tl = Timeline(self._sync, trace=cfg.trace, measure=planner.refining)
@@ -84,10 +86,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._dev = DeviceBuffers(self.layout, planner.plan.lanes, dtypes, device, n_slots, fmt)
         self._host = HostArena(blocks, nbytes,
                                {s: dtypes[self.layout.subgroups[s].bucket] for s in blocks},
-                               pin=cfg.pin_memory and device.type == "cuda", fmt=fmt)
+                               pin=cfg.pin_memory and device.type == "cuda" and not planner.deferred_host,
+                               fmt=fmt)
         binding.adopt(self, self._params, self._dev)
         self._grads = GradRouter(self.layout, planner.plan.lanes, binding.hooked(self._params), self._dev,
                                  self._host.grad, self._sync, self._tl)
+        self._grads.send_early = not planner.deferred_host  # the host blocks are not real yet
         self._lanes = Lanes(self.layout, planner.plan, self._dev, self._host, self._grads, self._sync,
                             self._tl)
         binding.attach(self._grads, self._lanes)  # per-parameter steps; plain tensors: dos.params
@@ -121,7 +125,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return self.planner.replans
 
     def _seed_master(self) -> None:
-        """The fp32 master weights from the flat parameter buffers (the binding filled them)."""
+        """The fp32 master weights from the flat parameter buffers (the binding filled them);
+        resident-first: at the first step, once the resident share is known (Planner.materialize)."""
+        if self.planner.deferred_host:
+            return
         for sg in self.layout.subgroups:
             self.state_views(sg.index).master.copy_(self._dev.param(self.layout, sg.index))
 
@@ -199,6 +206,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.require_idle("load_state_dict()")
+        # NOTE: resident-first sizing has not run yet: the whole state goes to the host first
+        # (its resident share moves to the GPU at the first step, as before resident-first)
+        self.planner.materialize()
         surface.load_state_dict_with_hooks(self, state_dict, lambda sd: checkpoint.load_state_dict(self, sd))
 
     def require_idle(self, what: str) -> None:

@@ -20,6 +20,7 @@ from . import explore, perfmodel, refine
 from .config import EngineConfig
 from .partition import Layout
 from .plan import Plan, make_plan
+from .residency import Residency
 
 REPLAN_DRIFT = 0.02  # search again once a rate (or the head start) moved this much
 
@@ -41,7 +42,7 @@ class Planner:
     def __init__(self, config: EngineConfig, layout: Layout, itemsize: int, device: torch.device,
                  local_ranks: int = 1):
         # every plan made here carries the config's state format (its bytes in the model)
-        self.config, self.layout = config, layout
+        self.config, self.layout, self.device = config, layout, device
         self._bytes = dict(grad_bytes=itemsize, param_bytes=itemsize)
         self.max_threads = config.cpu_threads or cores_per_rank(local_ranks)
         self.local_ranks = local_ranks
@@ -55,6 +56,9 @@ class Planner:
         # gpu_fraction="auto": the resident share is chosen at the first step, once the
         # iteration's peak GPU memory is known.
         self.sizing = config.gpu_fraction == "auto" and calibrated
+        # Resident-first (dos.residency): while sizing is pending the host arena is reserved but
+        # neither written nor pinned, so the host never holds the resident share.
+        self.residency = Residency(config, layout, device, local_ranks, deferred=self.sizing)
         if config.gpu_fraction == "auto" and not calibrated:
             why = ("the parameters are not on a CUDA device" if device.type != "cuda" else
                    "this machine has no calibration (run `python -m dos calibrate`)")
@@ -122,6 +126,7 @@ class Planner:
         if self.sizing:
             self.sizing = False
             self._size_resident(step)
+            self.materialize()  # nothing fitted, or no sizing possible: all of it on the host
         elif self.refining and not starts_in_backward:
             self._refine(step, ran)
             if self.exploring:
@@ -281,11 +286,24 @@ class Planner:
             return  # nothing of that shape fits: keep the plan
         self._sync.synchronize()  # no copy still reads a slot or a host block given up below
         self._lanes.keep_slots(plan.staging_slots if plan.staged_order else 0)
+        self.materialize(plan.resident)
         for s in plan.resident:
             if s not in self._dev.resident:
                 self._dev.add_resident(s, self._host.state[s], self.layout.subgroups[s].numel)
                 self._host.release(s)
         self.set_plan(plan.replace(source="perfmodel"), step, free_gpu_bytes=free)
+
+    @property
+    def deferred_host(self) -> bool:
+        """Resident-first: the host arena is not written nor pinned yet (dos.residency)."""
+        return self.residency.deferred
+
+    def materialize(self, resident=()) -> None:
+        """Resident-first: make the state real once the resident share is known (dos.residency)."""
+        self.residency.materialize(self._dev, self._host, self._lanes.grads, resident)
+
+    def host_need_bound(self, blocks: dict) -> int:
+        return self.residency.host_need_bound(blocks)
 
     def set_plan(self, plan: Plan, step: int, free_gpu_bytes: Optional[float] = None) -> None:
         """Put `plan` in force from the next update on, and log it. A new plan may move subgroups
