@@ -395,3 +395,21 @@ def test_cli_bench_deepspeed_on_two_gloo_ranks(tmp_path):
                                 "seq_len=32", "micro_batch=2", env={**os.environ, "DS_ACCELERATOR": "cpu"},
                                 timeout=1200)
     assert row["cpu_impl"] == "DeepSpeedCPUAdam"
+
+
+def test_stale_extension_build_locks_are_cleared(tmp_path):
+    """A build killed mid-way leaves a lock every later build waits on forever; a fresh one (a
+    build under way) is left alone."""
+    import os
+    import time
+
+    from dos.lab.bench.systems import clear_stale_extension_locks
+
+    old, new = tmp_path / "py311_cpu" / "cpu_adam" / "lock", tmp_path / "py311_cpu" / "fused_adam" / "lock"
+    for p in (old, new):
+        p.parent.mkdir(parents=True)
+        p.touch()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    with pytest.warns(UserWarning, match="stale torch-extension build lock"):
+        gone = clear_stale_extension_locks(str(tmp_path))
+    assert gone == [str(old)] and not old.exists() and new.exists()

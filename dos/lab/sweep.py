@@ -193,8 +193,7 @@ def host_bytes_estimate(spec: RunSpec) -> tuple:
     n = preset(spec.model, spec.model_overrides).n_params()
     s = spec.system
     if s == "dos":
-        # gpu_fraction "auto" starts with all state on the host (the resident share is sized later)
-        fixed = 0.0 if spec.gpu_fraction == "auto" else spec.gpu_fraction or 0.0
+        fixed = _auto_resident_share(spec, n) if spec.gpu_fraction == "auto" else spec.gpu_fraction or 0.0
         share = 0.0 if spec.placement == "gpu" else 1.0 - fixed
         host_bpp = DOS_STATE_BPP[spec.moments or "fp32"] * share
     elif s == "deepspeed-zero2-offload":
@@ -218,6 +217,23 @@ def host_bytes_estimate(spec: RunSpec) -> tuple:
     how = f"{host_bpp + dev_bpp:.0f} B/param x {n / 1e9:.2f}B params + {base:.1f} GiB base" + (
         f" ({spec.gpus} processes)" if spec.gpus > 1 else "")
     return need, how
+
+
+def _auto_resident_share(spec: RunSpec, n: int) -> float:
+    """gpu_fraction "auto" is resident-first (dos.residency): the host holds only what the GPU
+    cannot. A generous estimate of the resident share — 85% of the GPU (its cap, else the device)
+    less the bf16 weights and gradients (4 B/param) and 10 GiB of activations, filled with state —
+    so that the sweep skips only what cannot fit; the engine's own check after the first step is
+    exact (a run refused there records its HostMemoryError). 0 without a CUDA device."""
+    if spec.device != "cuda" or not _cuda_available():
+        return 0.0
+    import torch
+
+    total = (spec.gpu_mem_cap_gib * _GIB if spec.gpu_mem_cap_gib
+             else torch.cuda.get_device_properties(0).total_memory)
+    room = 0.85 * total - 4.0 * n - 10 * _GIB
+    state = DOS_STATE_BPP[spec.moments or "fp32"] - 2.0  # on the GPU: no host gradient slot
+    return min(1.0, max(0.0, room / (state * n)))
 
 
 def available_host_gib(sweep: Sweep, override: Optional[float] = None) -> tuple:

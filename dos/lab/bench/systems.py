@@ -206,6 +206,32 @@ def deepspeed_config(spec: RunSpec) -> dict:
     }
 
 
+STALE_LOCK_S = 600  # a torch extension build takes 1-2 min here; a lock this old has no builder
+
+
+def clear_stale_extension_locks(root: Optional[str] = None, max_age_s: float = STALE_LOCK_S) -> list:
+    """Remove torch-extension build locks older than `max_age_s` (returns their paths, warning).
+    A build killed mid-way (a timed-out run) leaves `<ext>/lock` behind, and every later build of
+    that op (DeepSpeed's cpu_adam, JIT-built at its first use) waits on it forever: a smoke sweep's
+    DeepSpeed run hung 900 s on one (DESIGN.md §10)."""
+    import glob
+    import time
+    import warnings
+
+    root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    gone = []
+    for lock in glob.glob(os.path.join(root, "*", "*", "lock")):
+        try:
+            if time.time() - os.path.getmtime(lock) > max_age_s:
+                os.remove(lock)
+                gone.append(lock)
+        except OSError:
+            pass
+    if gone:
+        warnings.warn(f"removed stale torch-extension build lock(s) {gone} (older than {max_age_s:.0f} s)")
+    return gone
+
+
 class DeepSpeedSystem(_Base):
     """DeepSpeed ZeRO-2 / ZeRO-3 on one process (env RANK/WORLD_SIZE/MASTER_* set by the run's parent)."""
 
@@ -215,6 +241,7 @@ class DeepSpeedSystem(_Base):
             import deepspeed
         except ImportError as e:
             raise SkipRun(f"deepspeed is not installed: {e}") from e
+        clear_stale_extension_locks()
         import logging
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
