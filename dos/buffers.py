@@ -166,11 +166,18 @@ class HostArena:
         self.nbytes -= b.nbytes
 
     def close(self) -> None:
+        """Unpin every block and give all the memory back to the OS now (not when a garbage
+        collection frees the mapping: until then a new optimizer's preflight would count it)."""
         if self._registered:
             cudart = _cudart()
             for ptr in self._registered:
                 cudart.cudaHostUnregister(ptr)
             self._registered = []
+        if self.blocks:
+            self._map.madvise(mmap.MADV_DONTNEED)
+            for d in (self.blocks, self.state, self.grad):  # in place: holders of these dicts see it
+                d.clear()
+            self.nbytes = 0
 
     def __del__(self):
         try:

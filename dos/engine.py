@@ -287,9 +287,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return self.planner.record(self.last_overlapped)
 
     def close(self) -> None:
-        """Release the hooks and unpin the host memory (the optimizer is unusable afterwards)."""
+        """Release the hooks and give back the host arena and the GPU state (the parameters stay
+        where they are; the optimizer is unusable afterwards)."""
         self._cpu_lane.close()
-        self._sync.synchronize()  # no copy may still touch the memory we unpin
+        self._sync.synchronize()  # no copy may still touch the memory we give back
         self._grads.remove()
         self._host.close()
+        self._dev.resident.clear()
+        self._dev.keep_slots(0)
 

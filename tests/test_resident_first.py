@@ -80,3 +80,21 @@ def test_load_state_dict_before_the_first_step_materializes_the_host(sizing):
     train("transformer", a, opt, 3, start=2)
     train("transformer", c, opt2, 3, start=2)
     assert max_diff(a, c) == 0.0
+
+
+def test_close_gives_the_host_memory_back_at_once():
+    """close() returns the arena's pages to the OS there and then (madvise), not at a later garbage
+    collection: a probe that built one optimizer after another on the H200 found the earlier
+    arenas still resident and the next preflight refused (experiments/results/gpu-tests/
+    20261201-s7-call3-probe.log)."""
+    import psutil
+
+    p = torch.nn.Parameter(torch.zeros(8_000_000, dtype=torch.bfloat16))
+    opt = dos.DeepOptimizerStates([p], placement="cpu", subgroup_numel=2_000_000)
+    p.grad = torch.full_like(p, 1e-3)
+    opt.step()  # every page of the arena written
+    rss = psutil.Process().memory_info().rss
+    opt.close()
+    freed = rss - psutil.Process().memory_info().rss
+    assert freed >= 0.8 * 14 * p.numel(), freed  # 14 B/param: the whole arena
+    assert opt.host_bytes == 0

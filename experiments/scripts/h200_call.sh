@@ -9,6 +9,10 @@
 # - SWEEP...: `python -m dos sweep` (after `python -m dos calibrate --cached`)
 # Rows record git_sha: the device's copy of the checkout has the last landed commit's .git under
 # this session's files, so prefix the command with DOS_GIT_SHA=<this checkout's short sha>.
+# BATCH_ID=<id> in the environment continues that batch (a sweep longer than one call, on the same
+# warm machine: its rows' boot_id says whether it was); every sweep also packs its results dir into
+# $OUT/<sweep>.tar.gz after each run, so a call cut short by its time limit loses only the run in
+# flight (session 7 lost a whole planner batch to a pack made only at the end).
 # Everything under experiments/results and figures/ that changed comes back in $OUT/results.tar.gz,
 # also when the budget runs out mid-sweep (the run in flight is lost; the sweep resumes next call).
 set -u
@@ -35,7 +39,9 @@ if [ $# -gt 0 ]; then
     out=""; case $arg in *@*) out="--out ${arg##*@}"; arg=${arg%@*};; esac
     file=${arg%%:*}; where=""
     [ "$arg" != "$file" ] && for w in $(echo "${arg#*:}" | tr '&' ' '); do where="$where --where $w"; done
-    timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where $out --no-progress >> $OUT/sweeps.log 2>&1
+    name=$(basename $file .yaml)
+    timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where $out --no-progress \
+      ${BATCH_ID:+--batch-id $BATCH_ID} --pack $OUT/$name.tar.gz >> $OUT/sweeps.log 2>&1
     echo "sweep $file rc=$?"; tail -3 $OUT/sweeps.log
   done
 fi
