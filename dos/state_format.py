@@ -228,6 +228,14 @@ def _math_(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
     p.copy_(p + (m * _f32(-(lr / bc1))) / denom)
 
 
+def _range(fmt, views: StateViews, lo: int, hi: int):
+    """(the StateFormat, the subgroup's elements); ValueError unless 0 <= lo <= hi <= n."""
+    n = views.master.numel()
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"need 0 <= lo <= hi <= {n}, got [{lo}, {hi})")
+    return state_format(fmt), n
+
+
 def reference_step_(fmt, views: StateViews, grad: torch.Tensor, out: Optional[torch.Tensor], *,
                     lo: int, hi: int, step: int, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, grad_scale: float = 1.0) -> None:
@@ -236,10 +244,7 @@ def reference_step_(fmt, views: StateViews, grad: torch.Tensor, out: Optional[to
     `views`, `grad` (bf16/fp16/fp32) and `out` are whole-subgroup; `out` (None, `grad` itself, or
     another tensor) receives the new weights [lo, hi) in its dtype.
     """
-    fmt = state_format(fmt)
-    n = views.master.numel()
-    if not 0 <= lo <= hi <= n:
-        raise ValueError(f"need 0 <= lo <= hi <= {n}, got [{lo}, {hi})")
+    fmt, n = _range(fmt, views, lo, hi)
     if lo == hi:
         return
     hp = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
@@ -274,10 +279,7 @@ def device_step_(fmt, views: StateViews, grad: torch.Tensor, out: Optional[torch
     `reference_step_` (skipped when it is the master itself). Like dos.adam.device_adamw_, an
     fp32 `grad` may be left divided by `scale_t` (torch's fused kernel unscales in place).
     """
-    fmt = state_format(fmt)
-    n = views.master.numel()
-    if not 0 <= lo <= hi <= n:
-        raise ValueError(f"need 0 <= lo <= hi <= {n}, got [{lo}, {hi})")
+    fmt, n = _range(fmt, views, lo, hi)
     if lo == hi:
         return
     L, p = hi - lo, views.master[lo:hi]

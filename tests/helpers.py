@@ -1,9 +1,11 @@
 """Shared test models, the AdamW oracle on fp32 master weights, and a training loop."""
 from __future__ import annotations
 
+import contextlib
 import copy
-from contextlib import nullcontext
 import math
+import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -174,3 +176,33 @@ CLIENT_PLACEMENTS = [
     dict(placement="gpu"),
 ]
 CLIENT_IDS = [",".join(f"{k}={v}" for k, v in p.items()) for p in CLIENT_PLACEMENTS]
+
+
+class FakeEvent:
+    """A CUDA event stand-in on the host clock (CPU copies are synchronous)."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+class FakeStream:
+    def wait_event(self, event):
+        pass
+
+
+def fake_cuda_attrs() -> dict:
+    """torch.cuda attributes for running the calibration's GPU half on the CPU (set them with
+    monkeypatch, or directly in a subprocess)."""
+    return dict(Event=FakeEvent, Stream=FakeStream, stream=lambda s: contextlib.nullcontext(),
+                synchronize=lambda *a: None, _sleep=lambda cycles: None,
+                mem_get_info=lambda *a: (2**33, 2**34), get_device_name=lambda *a: "FakeGPU",
+                is_available=lambda: True)

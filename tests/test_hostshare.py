@@ -3,13 +3,11 @@ running at once (`dos.hostshare`, `dos.calibrate`), per-rank rates combined into
 profile keyed by the rank count, and a 1-rank profile derated when no N-rank one exists."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from dos import calibrate, hostshare
 from dos import perfmodel as pm
 
 import dist_helpers
+from helpers import fake_cuda_attrs
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = pm.DESIGN_H200
@@ -122,33 +121,11 @@ def test_load_picks_the_profile_of_the_rank_count(cache, monkeypatch):
 
 # -- 2 processes (gloo): every rank measures at once ----------------------------------------------
 
-class _Event:
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self, stream=None):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-
-class _Stream:
-    def wait_event(self, event):
-        pass
-
-
 def _fake_cuda():
     """The GPU half on the CPU (as tests/test_perfmodel.py's fake): its per-rank rates are real
     CPU copies, so the aggregation runs on measured numbers of every field."""
     calibrate.DEVICE, calibrate.PIN = "cpu", False
-    for name, value in dict(Event=_Event, Stream=_Stream, stream=lambda s: contextlib.nullcontext(),
-                            synchronize=lambda *a: None, _sleep=lambda cycles: None,
-                            mem_get_info=lambda *a: (2**33, 2**34), get_device_name=lambda *a: "FakeGPU",
-                            is_available=lambda: True).items():
+    for name, value in fake_cuda_attrs().items():
         setattr(torch.cuda, name, value)
 
 

@@ -1,10 +1,8 @@
 """The pure performance model at its limits, the plan search, online refinement, and a CPU smoke
 run of the calibration tool."""
-import contextlib
 import dataclasses
 import json
 import math
-import time
 from fractions import Fraction as F
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 
 from dos import calibrate, perfmodel as pm, refine as rf
 from dos.partition import partition
+from helpers import fake_cuda_attrs
 from dos.plan import CPU, RESIDENT, STAGED, make_plan
 
 H200 = pm.DESIGN_H200
@@ -389,27 +388,6 @@ def test_helpers():
     assert calibrate.bandwidth(10, spans, 1.5, 2.0) is None
 
 
-class FakeEvent:
-    """A CUDA event stand-in on the host clock (CPU copies are synchronous)."""
-
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self, stream=None):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-
-class FakeStream:
-    def wait_event(self, event):
-        pass
-
-
 def test_calibrate_gpu_path_runs_with_a_fake_cuda(monkeypatch):
     """The GPU half's bookkeeping (chains, windows, events, sizes) on the CPU: catches everything
     but CUDA itself; `test_calibrate_measures_the_gpu` is the real run."""
@@ -417,10 +395,7 @@ def test_calibrate_gpu_path_runs_with_a_fake_cuda(monkeypatch):
         pytest.skip("a real GPU is here: the gpu-marked test runs instead")
     monkeypatch.setattr(calibrate, "DEVICE", "cpu")
     monkeypatch.setattr(calibrate, "PIN", False)
-    for name, value in dict(Event=FakeEvent, Stream=FakeStream, stream=lambda s: contextlib.nullcontext(),
-                            synchronize=lambda *a: None, _sleep=lambda cycles: None,
-                            mem_get_info=lambda *a: (2**33, 2**34), get_device_name=lambda *a: "FakeGPU",
-                            is_available=lambda: True).items():
+    for name, value in fake_cuda_attrs().items():
         monkeypatch.setattr(torch.cuda, name, value, raising=False)
     c = calibrate.measure(TINY, threads=[1, 2], gpu=True, log=lambda *_: None)
     assert c.has_gpu and c.gpu_name == "FakeGPU" and c.gpu_rate > 0
