@@ -147,17 +147,10 @@ def device_state_step_(fmt, views, grad: torch.Tensor, out: Optional[torch.Tenso
                        weight_decay: float, scale_t: Optional[torch.Tensor],
                        scratch: torch.Tensor) -> None:
     """Accelerator lane's update of elements [lo, hi) of one subgroup in any state format, on the
-    current stream, never blocking the host: fp32 is `device_adamw_` on the slices (torch fused
-    AdamW); bf16/int8 decode into `scratch` (fp32, `state_format.scratch_numel` elements), run the
-    same fused kernel and encode back (`state_format.device_step_`)."""
+    current stream, never blocking the host: `state_format.device_step_` (fp32: torch's fused
+    AdamW on the slices, as `device_adamw_`; bf16/int8: decoded into `scratch`, the same fused
+    kernel, encoded back)."""
     from dos import state_format as sf
 
-    fmt = sf.state_format(fmt)
-    if fmt.name == "fp32":
-        device_adamw_(views.master[lo:hi], views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi], grad[lo:hi],
-                      None if out is None else out[lo:hi], step_t=step_t, lr=lr, beta1=beta1,
-                      beta2=beta2, eps=eps, weight_decay=weight_decay, scale_t=scale_t,
-                      scratch=scratch)
-        return
     sf.device_step_(fmt, views, grad, out, lo=lo, hi=hi, step_t=step_t, lr=lr, beta1=beta1,
                     beta2=beta2, eps=eps, weight_decay=weight_decay, scale_t=scale_t, scratch=scratch)
