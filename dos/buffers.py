@@ -193,7 +193,8 @@ class DeviceBuffers:
                  device: torch.device, n_slots: int, fmt: StateFormat = StateFormat("fp32")):
         self.fmt = fmt
         self.params = [torch.zeros(b.numel, dtype=dtypes[b.index], device=device) for b in layout.buckets]
-        self.grads = [torch.zeros(b.numel, dtype=dtypes[b.index], device=device) for b in layout.buckets]
+        self._grad_shapes = [(b.numel, dtypes[b.index]) for b in layout.buckets]
+        self.grads: List[torch.Tensor] = []  # alloc_grads
         # state bytes (fmt.views), zero: moments 0 (int8: scales 0 decode to 0)
         self.resident: Dict[int, torch.Tensor] = {
             s.index: torch.zeros(fmt.nbytes(s.numel), dtype=torch.uint8, device=device)
@@ -205,6 +206,20 @@ class DeviceBuffers:
         self.scratch = torch.empty(0, dtype=torch.float32, device=device)
         if n_slots > 0 or self.resident:
             self._need_scratch(n)
+
+    def alloc_grads(self) -> None:
+        """The flat gradient buffers (zero). The engine allocates them only once the parameters
+        live in the flat parameter buffers and the originals' memory went back to the device: the
+        constructor's peak is then twice the weights, not three times (originals, flat weights,
+        flat gradients). At 20B that transient was 114 GiB, the CUDA allocator's peak, which the
+        first step's resident sizing (dos.planner.free_device_bytes) took for the iteration's
+        (docs/DESIGN.md §10)."""
+        if self.grads:
+            return
+        device = self.scratch.device
+        if device.type == "cuda":  # the originals' blocks (cached by the allocator) back to the device
+            torch.cuda.empty_cache()
+        self.grads = [torch.zeros(n, dtype=d, device=device) for n, d in self._grad_shapes]
 
     def _need_scratch(self, n: int) -> None:
         need = scratch_numel(self.fmt, n)

@@ -89,6 +89,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                pin=cfg.pin_memory and device.type == "cuda" and not planner.deferred_host,
                                fmt=fmt)
         binding.adopt(self, self._params, self._dev)
+        self._dev.alloc_grads()  # after adopt: the constructor's GPU peak is 2x the weights
         self._grads = GradRouter(self.layout, planner.plan.lanes, binding.hooked(self._params), self._dev,
                                  self._host.grad, self._sync, self._tl)
         self._grads.send_early = not planner.deferred_host  # the host blocks are not real yet
