@@ -314,7 +314,7 @@ RunFn pick(Isa isa) {
   return &scalar::run;
 }
 
-constexpr int64_t kBlock = 64;            // per-thread ranges start on 64-element boundaries
+constexpr int64_t kBlock = 64;            // work ranges start on 64-element boundaries
 constexpr int64_t kChunk = 1 << 14;       // elements per call: ~230 KB of state and gradient
 constexpr int64_t kMinPerThread = 1 << 15;
 
@@ -330,18 +330,13 @@ void adamw(const AdamwArrays& a, const AdamwHyper& h, int threads, Isa isa) {
   const int64_t most = (a.n + kMinPerThread - 1) / kMinPerThread;
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
   if (t == 1) return run_range(fn, c, a, 0, a.n);
-  const int64_t blocks = (a.n + kBlock - 1) / kBlock;
-#pragma omp parallel num_threads(t)
-  {
-#ifdef _OPENMP
-    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const int64_t id = 0, nt = 1;
-#endif
-    const int64_t lo = std::min(a.n, blocks * id / nt * kBlock);
-    const int64_t hi = std::min(a.n, blocks * (id + 1) / nt * kBlock);
-    run_range(fn, c, a, lo, hi);
-  }
+  // Chunks handed out dynamically, not one fixed range per thread: the lane shares the host's
+  // cores with the training loop's own threads (Python, CUDA launches and copies, NVML), and with
+  // fixed ranges one preempted thread held up the whole subgroup (docs/DESIGN.md §10). Every
+  // element's update is independent, so the result is the same bitwise.
+  const int64_t chunks = (a.n + kChunk - 1) / kChunk;
+#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
+  for (int64_t i = 0; i < chunks; ++i) fn(c, a, i * kChunk, std::min(a.n, (i + 1) * kChunk));
 }
 
 namespace {
@@ -368,21 +363,18 @@ void adamw_lowp(const LowpArrays& a, StateFmt fmt, const AdamwHyper& h, int thre
   const int64_t u_hi = q ? (a.hi + unit - 1) / unit : (a.hi - a.lo + unit - 1) / unit;
   const int64_t most = ((u_hi - u_lo) * unit + kMinPerThread - 1) / kMinPerThread;
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
-  auto part = [&](int64_t id, int64_t nt) {
-    const int64_t b = u_lo + (u_hi - u_lo) * id / nt, e = u_lo + (u_hi - u_lo) * (id + 1) / nt;
+  auto run = [&](int64_t b, int64_t e) {  // work units [b, e)
     if (b >= e) return;
     if (q) return fn(c, a, b, e);
     fn(c, a, a.lo + b * unit, std::min(a.hi, a.lo + e * unit));
   };
-  if (t == 1) return part(0, 1);
-#pragma omp parallel num_threads(t)
-  {
-#ifdef _OPENMP
-    part(omp_get_thread_num(), omp_get_num_threads());
-#else
-    part(0, 1);
-#endif
-  }
+  if (t == 1) return run(u_lo, u_hi);
+  // Dynamic chunks of whole units, as in adamw() above (one preempted thread no longer holds up
+  // the subgroup); chunks never split a unit, so the result is the same bitwise.
+  const int64_t per = std::max<int64_t>(1, kChunk / unit);
+  const int64_t chunks = (u_hi - u_lo + per - 1) / per;
+#pragma omp parallel for num_threads(t) schedule(dynamic, 1)
+  for (int64_t i = 0; i < chunks; ++i) run(u_lo + i * per, std::min(u_hi, u_lo + (i + 1) * per));
 }
 
 }  // namespace dos

@@ -26,6 +26,12 @@ EXPLORE_DRIFT = 0.2  # explore again once a refined rate moved this much since t
 COOLDOWN = 50       # ... but not within this many steps of the last one
 SETTLE = 5          # steps of the kept plan before the reference rates for drift are taken
 MAX_LAG = 6         # steps past the schedule an exploration waits for its last measurements
+# A candidate whose first measured step took this much longer than the best candidate measured so
+# far runs no further step: its first step (which carries the switch) already rules it out, and
+# each further one is pure cost. planner-3b: all-CPU's two steps were ~half of the 0.74-0.88 s an
+# exploration cost (1.02 s a step against 0.84 for the kept plan). Later steps of a near candidate
+# still run: a first step after a switch is up to ~10% slow (docs/DESIGN.md §10).
+DROP_ABOVE = 0.15
 
 
 def key(plan: Plan) -> Tuple:
@@ -89,6 +95,7 @@ class Explorer:
     start_step: int = 0
     steps_per: int = STEPS_PER
     max_steps: int = MAX_STEPS
+    drop_above: Optional[float] = DROP_ABOVE  # None: every candidate runs all its steps
     times: Dict[Tuple, List[float]] = field(default_factory=dict)
     steps: int = 0  # steps measured under a candidate of this exploration
     spent: List[float] = field(default_factory=list)  # every measured step, in order
@@ -101,11 +108,22 @@ class Explorer:
         self._order = [p for p, _ in self.candidates for _ in range(self.steps_per)]
 
     def next_plan(self) -> Optional[Plan]:
-        """The plan for the next step of the schedule; None once it is exhausted."""
-        if self._issued >= len(self._order):
-            return None
-        self._issued += 1
-        return self._order[self._issued - 1]
+        """The plan for the next step of the schedule (skipping the further steps of a candidate
+        already ruled out, `drop_above`); None once it is exhausted."""
+        while self._issued < len(self._order):
+            self._issued += 1
+            p = self._order[self._issued - 1]
+            if not self._ruled_out(p):
+                return p
+        return None
+
+    def _ruled_out(self, plan: Plan) -> bool:
+        """Measured already, and slower by more than `drop_above` than the best other candidate."""
+        k, limit = key(plan), self.drop_above
+        if limit is None or k not in self.times:
+            return False
+        others = [min(ts) for kk, ts in self.times.items() if kk != k]
+        return bool(others) and min(self.times[k]) > (1 + limit) * min(others)
 
     def observe(self, plan: Plan, seconds: float) -> None:
         """A measured step (seconds) run under `plan`; steps under other plans are ignored."""
@@ -158,7 +176,8 @@ class Explorer:
         return {"start_step": self.start_step, "steps": self.steps, "explore_s": round(self.cost_s(), 6),
                 "kept": None if kept is None else _label(kept),
                 "candidates": [dict(_label(p), predicted_s=round(pred, 6),
-                                    measured_s=None if self.measured(p) is None else round(self.measured(p), 6))
+                                    measured_s=None if self.measured(p) is None else round(self.measured(p), 6),
+                                    steps=len(self.times.get(key(p), ())))
                                for p, pred in self.candidates]}
 
 
