@@ -6,6 +6,7 @@
 #include "adamw.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -321,7 +322,12 @@ constexpr int64_t kMinPerThread = 1 << 15;
 void run_range(RunFn fn, const Consts& c, const AdamwArrays& a, int64_t lo, int64_t hi) {
   for (int64_t s = lo; s < hi; s += kChunk) fn(c, a, s, std::min(hi, s + kChunk));
 }
+
+std::atomic<bool> g_fixed_ranges{false};
 }  // namespace
+
+void set_fixed_ranges(bool fixed) { g_fixed_ranges.store(fixed); }
+bool fixed_ranges() { return g_fixed_ranges.load(); }
 
 void adamw(const AdamwArrays& a, const AdamwHyper& h, int threads, Isa isa) {
   if (a.n <= 0) return;
@@ -330,6 +336,19 @@ void adamw(const AdamwArrays& a, const AdamwHyper& h, int threads, Isa isa) {
   const int64_t most = (a.n + kMinPerThread - 1) / kMinPerThread;
   const int t = int(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
   if (t == 1) return run_range(fn, c, a, 0, a.n);
+  if (fixed_ranges()) {
+    const int64_t blocks = (a.n + kBlock - 1) / kBlock;
+#pragma omp parallel num_threads(t)
+    {
+#ifdef _OPENMP
+      const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+      const int64_t id = 0, nt = 1;
+#endif
+      run_range(fn, c, a, std::min(a.n, blocks * id / nt * kBlock), std::min(a.n, blocks * (id + 1) / nt * kBlock));
+    }
+    return;
+  }
   // Chunks handed out dynamically, not one fixed range per thread: the lane shares the host's
   // cores with the training loop's own threads (Python, CUDA launches and copies, NVML), and with
   // fixed ranges one preempted thread held up the whole subgroup (docs/DESIGN.md §10). Every
@@ -369,6 +388,18 @@ void adamw_lowp(const LowpArrays& a, StateFmt fmt, const AdamwHyper& h, int thre
     fn(c, a, a.lo + b * unit, std::min(a.hi, a.lo + e * unit));
   };
   if (t == 1) return run(u_lo, u_hi);
+  if (fixed_ranges()) {
+#pragma omp parallel num_threads(t)
+    {
+#ifdef _OPENMP
+      const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+      const int64_t id = 0, nt = 1;
+#endif
+      run(u_lo + (u_hi - u_lo) * id / nt, u_lo + (u_hi - u_lo) * (id + 1) / nt);
+    }
+    return;
+  }
   // Dynamic chunks of whole units, as in adamw() above (one preempted thread no longer holds up
   // the subgroup); chunks never split a unit, so the result is the same bitwise.
   const int64_t per = std::max<int64_t>(1, kChunk / unit);

@@ -36,6 +36,10 @@ bool isa_supported(Isa isa);
 
 // Runs on at most `threads` OpenMP threads (fewer for small n); `isa` must be supported.
 void adamw(const AdamwArrays& a, const AdamwHyper& h, int threads, Isa isa);
+// How threads share a call's elements: dynamically handed-out chunks (default), or one fixed
+// contiguous range per thread (the kernel before 2026-12-02; kept for in-situ A/B runs).
+void set_fixed_ranges(bool fixed);
+bool fixed_ranges();
 
 // Low-precision optimizer state (dos/state_format.py defines the formats and the algorithm):
 // an fp32 master with bf16 moments, or int8/uint8 block-quantized moments with fp32 scales.

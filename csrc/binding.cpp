@@ -163,6 +163,12 @@ std::vector<std::string> cpu_isas() {  // supported here, best first
   return r;
 }
 
+void set_schedule(c10::string_view name) {
+  TORCH_CHECK(name == "dynamic" || name == "static",
+              "dos::set_schedule: expected 'dynamic' or 'static', got '", std::string(name), "'");
+  dos::set_fixed_ranges(name == "static");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dos, m) {
@@ -178,6 +184,8 @@ TORCH_LIBRARY(dos, m) {
         "float beta1, float beta2, float eps, float weight_decay, float grad_scale=1., "
         "int threads=0, str isa='scalar') -> ()");
   m.def("cpu_isas() -> str[]", &cpu_isas);
+  // How the threads share a call: "dynamic" chunks (default) or "static" per-thread ranges.
+  m.def("set_schedule(str name) -> ()", &set_schedule);
 }
 
 TORCH_LIBRARY_IMPL(dos, CPU, m) {

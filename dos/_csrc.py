@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 ISAS = ("avx512", "avx2", "scalar")
+SCHEDULES = ("dynamic", "static")
 _CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _SOURCES = ("adamw.cpp", "binding.cpp")
@@ -36,7 +37,8 @@ class CsrcFallbackWarning(UserWarning):
 
 
 _lock = threading.Lock()
-_state: dict = {"tried": False, "ops": None, "isa": None, "reason": None, "build_s": None}
+_state: dict = {"tried": False, "ops": None, "isa": None, "reason": None, "build_s": None,
+               "schedule": None}
 
 
 def source_dir() -> Path:
@@ -124,6 +126,7 @@ def ops():
                     _state["path"] = _build_and_load()
                     supported = list(torch.ops.dos.cpu_isas())
                     _state["isa"] = pick_isa(os.environ.get("DOS_CSRC_ISA"), supported)
+                    set_schedule(os.environ.get("DOS_CSRC_SCHEDULE") or "dynamic", loaded=True)
                     _register_fake()
                     _state["ops"] = torch.ops.dos
                 except ValueError:  # a bad DOS_CSRC_ISA: an error at every call, not a fallback
@@ -158,9 +161,24 @@ def set_isa(name: Optional[str]) -> None:
     _state["isa"] = pick_isa(name, list(torch.ops.dos.cpu_isas()))
 
 
+def set_schedule(name: str, loaded: bool = False) -> None:
+    """How the kernel's threads share a call (DOS_CSRC_SCHEDULE): "dynamic" chunks (default) or
+    "static", one fixed range per thread (the kernel before 2026-12-02, for in-situ A/B runs;
+    docs/DESIGN.md §10). Results are bitwise the same."""
+    if name not in SCHEDULES:
+        raise ValueError(f"DOS_CSRC_SCHEDULE={name!r}: expected one of {', '.join(SCHEDULES)}")
+    if not loaded and ops() is None:
+        raise RuntimeError("dos: the C++ extension is not loaded")
+    torch.ops.dos.set_schedule(name)
+    _state["schedule"] = name
+
+
 def impl_name() -> str:
-    """'dos-csrc-<isa>' or 'torch-fused': recorded with every run."""
-    return f"dos-csrc-{isa()}" if ops() is not None else "torch-fused"
+    """'dos-csrc-<isa>' ('-static' with fixed per-thread ranges) or 'torch-fused': recorded
+    with every run."""
+    if ops() is None:
+        return "torch-fused"
+    return f"dos-csrc-{isa()}" + ("-static" if _state.get("schedule") == "static" else "")
 
 
 def info() -> dict:

@@ -413,3 +413,18 @@ def test_stale_extension_build_locks_are_cleared(tmp_path):
     with pytest.warns(UserWarning, match="stale torch-extension build lock"):
         gone = clear_stale_extension_locks(str(tmp_path))
     assert gone == [str(old)] and not old.exists() and new.exists()
+
+
+def test_cpu_schedule_reaches_the_kernel_and_the_record(tmp_path):
+    """cpu_schedule (an in-situ A/B of the CPU kernel's thread schedule): the run's process uses
+    it and the row's cpu_impl names it; anything but dynamic/static is refused."""
+    r = _cli("bench", "system=dos", "placement=cpu", "cpu_schedule=static", "device=cpu", "seq_len=32",
+             "micro_batch=2", "warmup=1", "steps=1", "nvml_hz=20", "--out", str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stderr
+    (row,) = records.read_rows(tmp_path / "runs.csv")
+    assert row["status"] == "ok", row["error"]
+    assert row["cpu_impl"].startswith("dos-csrc-") and row["cpu_impl"].endswith("-static")
+    with pytest.raises(ConfigError, match="cpu_schedule"):
+        RunSpec(system="dos", placement="cpu", cpu_schedule="guided")
+    with pytest.raises(ConfigError, match="cpu_schedule does not apply"):
+        RunSpec(system="torch-cpu", cpu_schedule="static")

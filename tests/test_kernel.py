@@ -239,6 +239,48 @@ def test_fallback_warns_once_and_matches_torch():
     assert out.split() == ["torch-fused"]
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_static_and_dynamic_schedules_agree_bitwise(ops, isa):
+    """DOS_CSRC_SCHEDULE: fixed per-thread ranges ("static", the kernel before 2026-12-02) and
+    dynamically handed-out chunks (default) give the same bits, fp32 and low-precision state alike."""
+    from dos import state_format as sf
+
+    need(ops, isa)
+    n = 300_017
+    gen = torch.Generator().manual_seed(3)
+    p0, m0, v0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    g = torch.randn(n, generator=gen).bfloat16()
+    out = {}
+    try:
+        for sched in ("static", "dynamic"):
+            _csrc.set_schedule(sched)
+            s = [p0.clone(), m0.clone(), v0.clone()]
+            ops.adamw_(*s, g, None, 7, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 3, isa)
+            low = {}
+            for fmt in ("bf16", "int8"):
+                f = sf.state_format(fmt)
+                buf = torch.zeros(f.nbytes(n), dtype=torch.uint8)
+                f.views(buf, n).master.copy_(p0)
+                vw = f.views(buf, n)
+                for step in (1, 2):
+                    ops.adamw_lowp_(vw.master, vw.exp_avg, vw.exp_avg_sq, vw.scales, g, None, 5, n, step,
+                                    1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 3, isa)
+                low[fmt] = buf
+            out[sched] = (s, low)
+    finally:
+        _csrc.set_schedule("dynamic")
+    assert all(torch.equal(a, b) for a, b in zip(out["static"][0], out["dynamic"][0]))
+    assert all(torch.equal(out["static"][1][f], out["dynamic"][1][f]) for f in ("bf16", "int8"))
+    with pytest.raises(ValueError, match="DOS_CSRC_SCHEDULE"):
+        _csrc.set_schedule("guided")
+
+
+def test_env_sets_the_schedule_and_the_record_names_it(ops):
+    out = _python("from dos.adam import cpu_impl; print(cpu_impl())", DOS_CSRC_SCHEDULE="static")
+    assert out.split()[-1].endswith("-static")
+    assert not _python("from dos.adam import cpu_impl; print(cpu_impl())").split()[-1].endswith("-static")
+
+
 def test_env_forces_isa(ops):
     out = _python("from dos.adam import cpu_impl; print(cpu_impl())", DOS_CSRC_ISA="scalar")
     assert out.split() == ["dos-csrc-scalar"]

@@ -146,6 +146,8 @@ class _Run:
         self.device = device = resolve_device(spec)
         res["device"] = device.type
         systems.prepare_env(spec, device, int(os.environ.get("MASTER_PORT", "0")) or None)
+        if spec.cpu_schedule:  # read when dos's extension loads (dos._csrc)
+            os.environ["DOS_CSRC_SCHEDULE"] = spec.cpu_schedule
         if _world() > 1:
             res["rank"] = _rank()
             if not spec.system.startswith("deepspeed"):  # DeepSpeed initializes its own group

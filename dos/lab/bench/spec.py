@@ -85,6 +85,10 @@ class RunSpec:
     "fp32", "bf16" (round to nearest even) or "int8" (block-quantized, 2048-element blocks); the
     master weights and the math stay fp32. None: the engine's default (fp32). Named `moments`, not
     `state_dtype`, beside the method `state_dtype()` (what the row's `state_dtype` column says)."""
+    cpu_schedule: Optional[str] = None
+    """dos: how the CPU kernel's threads share a call, DOS_CSRC_SCHEDULE: "dynamic" chunks (None:
+    the default) or "static" fixed per-thread ranges (the kernel before 2026-12-02): in-situ A/B
+    runs of the two in one batch (the row's cpu_impl ends in "-static" for the latter)."""
     sub_group_size: Optional[int] = None
     """DeepSpeed ZeRO-3 sub_group_size (None: 1e8, as in DESIGN.md §8)."""
     ds_zero: Optional[dict] = None
@@ -167,6 +171,8 @@ class RunSpec:
             parts.append("overlap")
         if self.clip_by == "client":
             parts.append("client-clip")
+        if self.cpu_schedule:
+            parts.append(f"sched={self.cpu_schedule}")
         if self.system == "deepspeed-twinflow":
             parts.append(f"r={self.ratio}")
         parts += [self.model, f"s{self.seq_len}", f"mb{self.micro_batch}"]
@@ -260,7 +266,7 @@ def _only(s: RunSpec, names, who: str):
 
 def _validate_system(s: RunSpec) -> None:
     dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots",
-                "overlap_backward", "clip_by", "moments")
+                "overlap_backward", "clip_by", "moments", "cpu_schedule")
     if s.system == "dos":
         _only(s, ("ratio", "sub_group_size", "ds_zero"), "dos")
         if s.placement not in PLACEMENTS:
@@ -283,6 +289,8 @@ def _validate_system(s: RunSpec) -> None:
         _check_type("overlap_backward", s.overlap_backward, (bool,), "true or false")
         if s.moments is not None and s.moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {MOMENTS}, got {s.moments!r}")
+        if s.cpu_schedule not in (None, "dynamic", "static"):
+            raise ConfigError(f"cpu_schedule must be 'dynamic' or 'static', got {s.cpu_schedule!r}")
         if s.clip_by not in (None, "engine", "client"):
             raise ConfigError(f"clip_by must be 'engine' or 'client', got {s.clip_by!r}")
         if s.clip_by is not None and s.max_grad_norm is None:
