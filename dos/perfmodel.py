@@ -415,6 +415,26 @@ def memory_options(numels: Sequence[int], free_gpu_bytes: float, staging_slots: 
     return sorted(out)
 
 
+def fill_resident(plan: Plan, free_gpu_bytes: float, *, staging_slots: int, subgroup_numel: int,
+                  grad_bytes: int = 2) -> Optional[Plan]:
+    """gpu_fraction="auto" without a calibration (no rates to weigh lanes by): the most resident
+    subgroups that fit `free_gpu_bytes` beside the staging slots the plan's staged lane uses
+    (`staging_slots` allocated), the rest split as `plan` splits them (its stride; all-CPU
+    otherwise). A resident subgroup moves nothing and updates on the GPU, so more of them is never
+    slower; None when not even the slots fit."""
+    from .state_format import state_format
+
+    slots = staging_slots if plan.staged_order else 0
+    fits = {s: r for r, s in memory_options(plan.numels, free_gpu_bytes, slots, subgroup_numel, grad_bytes,
+                                           sb=state_format(plan.state_dtype).bytes_per_element)}
+    r = fits.get(slots)
+    if r is None:
+        return None
+    share = Fraction(1, plan.stride) if plan.stride else Fraction(0)
+    return build_plan(plan.numels, resident=r, staged_share=share, cpu_threads=plan.cpu_threads,
+                      staging_slots=slots, placement=plan.placement, state_dtype=plan.state_dtype)
+
+
 def thread_options(calib: Calibration, max_threads: int) -> List[int]:
     return sorted({t for t in calib.cpu_threads if t <= max_threads} | {max_threads})
 

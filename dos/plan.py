@@ -52,7 +52,9 @@ class Plan:
     """Update-phase time the performance model predicts for this plan (None: not modelled)."""
     source: str = "config"
     """Who made it: "config" (placement and stride as given), "rule" (stride="auto" without a
-    calibration: AUTO_STRIDE), "perfmodel" (stride="auto": the model's choice), "replan"."""
+    calibration: AUTO_STRIDE), "perfmodel" (stride="auto": the model's choice), "memory"
+    (gpu_fraction="auto" without a calibration: the resident share that fits), "replan",
+    "explore" / "explored" (tried / kept by exploration)."""
     state_dtype: str = "fp32"
     """The moments' storage (dos/state_format.py): the bytes every copy and the host memory move."""
 

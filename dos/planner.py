@@ -55,14 +55,20 @@ class Planner:
                          and calibrated)
         # gpu_fraction="auto": the resident share is chosen at the first step, once the
         # iteration's peak GPU memory is known.
-        self.sizing = config.gpu_fraction == "auto" and calibrated
+        # Without a calibration (CUDA): as many resident subgroups as fit (perfmodel.fill_resident).
+        self.sizing = config.gpu_fraction == "auto" and (calibrated or _sizes_by_memory(device))
         # Resident-first (dos.residency): while sizing is pending the host arena is reserved but
         # neither written nor pinned, so the host never holds the resident share.
         self.residency = Residency(config, layout, device, local_ranks, deferred=self.sizing)
         if config.gpu_fraction == "auto" and not calibrated:
-            why = ("the parameters are not on a CUDA device" if device.type != "cuda" else
-                   "this machine has no calibration (run `python -m dos calibrate`)")
-            warnings.warn(f"dos: gpu_fraction='auto' keeps nothing resident: {why}", stacklevel=3)
+            if self.sizing:
+                warnings.warn("dos: gpu_fraction='auto' without a calibration of this machine: the "
+                              "resident share is what fits the GPU after the first step, the rest "
+                              "split by the stride rule (run `python -m dos calibrate` for the "
+                              "performance model's plan)", stacklevel=3)
+            else:
+                warnings.warn("dos: gpu_fraction='auto' keeps nothing resident: the parameters are "
+                              "not on a CUDA device", stacklevel=3)
         self._searched = self._searched_from = self.calibration  # (as loaded: describe())
         self._searched_head_start = 0.0  # ... and the head start (overlap_backward)
         self.head_start_s = 0.0  # backward seconds the CPU lane overlaps (moving average)
@@ -276,14 +282,23 @@ class Planner:
             staged_shares = [Fraction(0)]
         else:
             staged_shares = None if cfg.stride == "auto" else [Fraction(1, cfg.stride)]
-        try:
-            plan, _ = perfmodel.choose(
-                self.plan.numels, self.calibration, free_gpu_bytes=free, max_threads=self.max_threads,
-                staging_slots=len(self._dev.slots), subgroup_numel=self.layout.subgroup_numel,
-                placement=cfg.placement, staged_shares=staged_shares, state_dtype=cfg.state_dtype,
-                **self._bytes)
-        except ValueError:
-            return  # nothing of that shape fits: keep the plan
+        if self.calibration is None:
+            plan = perfmodel.fill_resident(self.plan, free, staging_slots=len(self._dev.slots),
+                                           subgroup_numel=self.layout.subgroup_numel,
+                                           grad_bytes=self._bytes["grad_bytes"])
+            if plan is None:
+                return
+            source = "memory"
+        else:
+            try:
+                plan, _ = perfmodel.choose(
+                    self.plan.numels, self.calibration, free_gpu_bytes=free, max_threads=self.max_threads,
+                    staging_slots=len(self._dev.slots), subgroup_numel=self.layout.subgroup_numel,
+                    placement=cfg.placement, staged_shares=staged_shares, state_dtype=cfg.state_dtype,
+                    **self._bytes)
+            except ValueError:
+                return  # nothing of that shape fits: keep the plan
+            source = "perfmodel"
         self._sync.synchronize()  # no copy still reads a slot or a host block given up below
         self._lanes.keep_slots(plan.staging_slots if plan.staged_order else 0)
         self.materialize(plan.resident)
@@ -291,7 +306,7 @@ class Planner:
             if s not in self._dev.resident:
                 self._dev.add_resident(s, self._host.state[s], self.layout.subgroups[s].numel)
                 self._host.release(s)
-        self.set_plan(plan.replace(source="perfmodel"), step, free_gpu_bytes=free)
+        self.set_plan(plan.replace(source=source), step, free_gpu_bytes=free)
 
     @property
     def deferred_host(self) -> bool:
@@ -359,6 +374,12 @@ def _calibration(device: torch.device, local_ranks: int = 1):
     from .calibrate import load_or_none
 
     return load_or_none(local_ranks)
+
+
+def _sizes_by_memory(device: torch.device) -> bool:
+    """gpu_fraction="auto" without a calibration still sizes the resident share, by memory alone:
+    on a CUDA device, where the first iteration's peak says what is free."""
+    return device.type == "cuda"
 
 
 def free_device_bytes(dev) -> Optional[float]:

@@ -138,3 +138,34 @@ def test_constructor_peak_is_twice_the_weights_on_cuda():
     assert peak <= 2 * w + (64 << 20), (peak / w)
     assert torch.cuda.memory_allocated() - base <= 2 * w + (64 << 20)  # weights + gradients
     opt.close()
+
+
+@pytest.mark.parametrize("stride", ["auto", 3])
+def test_without_a_calibration_the_resident_share_is_what_fits(monkeypatch, stride):
+    """gpu_fraction="auto" on a machine never calibrated: the first step still sizes the resident
+    share (as many subgroups as fit beside the staging slots; source "memory"), the rest keeps the
+    stride rule, the host holds only the rest, and the result is still AdamW's."""
+    free = 5
+    monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: None)
+    monkeypatch.setattr(dos.planner, "_sizes_by_memory", lambda device: True)
+    monkeypatch.setattr(dos.planner, "free_device_bytes", lambda dev: free * 12 * SG + dev.transient_bytes)
+    kw = dict(KW, stride=stride)
+    with pytest.warns(UserWarning, match="without a calibration"):
+        a, opt, b, ref = pair("transformer", **kw)
+    assert opt.planner.deferred_host and opt.plan.resident == ()
+    train("transformer", a, opt, 1)
+    train("transformer", b, ref, 1)
+    n, r = len(opt.layout.subgroups), len(opt.plan.resident)
+    slots = len(opt._dev.slots)
+    assert opt.plan.source == "memory" and slots >= 1
+    # the most that fit: `free` subgroups' worth of state beside the slots the staged lane keeps
+    # (free_device_bytes counts the allocated slots as free: a plan may spend them otherwise)
+    sizes = [s.numel for s in opt.layout.subgroups]
+    assert sum(sizes[:r]) <= free * SG < sum(sizes[:r + 1])
+    assert 0 < r < n and sorted(opt._host.blocks) == list(range(r, n))
+    k = 2 if stride == "auto" else stride
+    rest = [i for i in reversed(range(r, n))]
+    assert list(opt.plan.staged_order) == [i for pos, i in enumerate(rest) if (pos + 1) % k == 0]
+    train("transformer", a, opt, 5, start=1)
+    train("transformer", b, ref, 5, start=1)
+    assert max_diff(a, b) <= 1e-5
