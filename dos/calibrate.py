@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import adam, hostshare
+from .calibrate_report import profile_warnings, spread_of, table  # noqa: F401  (calibrate.table: API)
 from .buffers import HostArena, arena_blocks, available_host_bytes
 from .partition import partition
 from .perfmodel import Calibration, host_traffic_peak, machine_key
@@ -195,7 +196,6 @@ def rate(spans: Sequence[Tuple[int, float, float]]) -> float:
 
 
 REPEATS = 3  # each point of the profile is measured this many times; the median is kept
-NOISY = 0.10  # a point whose repeats spread more than this (of the median) is reported noisy
 
 
 def cpu_rates(prob: CpuProblem, threads: Sequence[int], min_s: float, repeats: int = REPEATS) -> List[float]:
@@ -212,32 +212,6 @@ def cpu_samples(prob: CpuProblem, threads: Sequence[int], min_s: float,
         for i, t in enumerate(threads):
             sync()
             out[i].append(rate(prob.run(t, min_s)))
-    return out
-
-
-def spread_of(xs: Sequence[float]) -> float:
-    """(max - min) / median of repeated measurements (0: one measurement, or all equal)."""
-    m = statistics.median(xs)
-    return (max(xs) - min(xs)) / m if len(xs) > 1 and m > 0 else 0.0
-
-
-def profile_warnings(name: str, threads: Sequence[int], samples: Sequence[Sequence[float]],
-                     rising: bool = True, noisy: float = NOISY) -> List[str]:
-    """What looks wrong in a profile against the thread count: a median that falls where it should
-    rise (`rising`; or rises where it should fall) by more than the points' own spread, and points
-    whose repeats spread more than `noisy`."""
-    out = []
-    med = [statistics.median(xs) for xs in samples]
-    for i in range(1, len(threads)):
-        a, b = med[i - 1], med[i]
-        if (b < a) if rising else (b > a):
-            out.append(f"{name}: non-monotone in threads, {threads[i]} threads {b / 1e9:.2f} G/s "
-                       f"{'below' if rising else 'above'} {threads[i - 1]} threads {a / 1e9:.2f} G/s")
-    for t, xs in zip(threads, samples):
-        sp = spread_of(xs)
-        if sp > noisy:
-            out.append(f"{name}: noisy at {t} threads, spread {100 * sp:.0f}% "
-                       f"(min {min(xs) / 1e9:.2f}, median {statistics.median(xs) / 1e9:.2f} G/s)")
     return out
 
 
@@ -436,40 +410,6 @@ def _measure(sizes, threads, gpu, log, peers: hostshare.Peers, share: int) -> Ca
         host_cores=cores(), created=datetime.datetime.now().isoformat(timespec="seconds"), **kw)
     # Host-memory traffic: the most the measurements above moved combined (docs/DESIGN.md §9.3).
     return dataclasses.replace(calib, host_mem_bw=host_traffic_peak(calib)) if gpu else calib
-
-
-def table(c: Calibration) -> str:
-    """The profile as a text table (rates in G elements/s, bandwidths in GB/s)."""
-    def g(x, scale=1e9):
-        return f"{x / scale:8.2f}" if x is not None else "       -"
-
-    def col(values, i):
-        return values[i] if values is not None else None
-
-    lines = [f"dos calibration ({c.source}, {c.created or 'undated'}): GPU {c.gpu_name or 'none'} | "
-             f"CPU {c.cpu_model} ({c.host_cores} cores) | torch {c.torch_version} | {c.cpu_impl}",
-             "threads  CPU AdamW G/s   +DMA G/s   H2D GB/s (CPU running)   D2H GB/s (CPU running)"]
-    for i, t in enumerate(c.cpu_threads):
-        lines.append(f"{t:7d}  {g(c.cpu_rate[i])}       {g(col(c.cpu_rate_dma, i))}   "
-                     f"{g(col(c.h2d_bw_cpu, i))}                 {g(col(c.d2h_bw_cpu, i))}")
-    if c.cpu_rate_spread is not None:
-        lines.append("spread (max-min)/median of CPU AdamW repeats: " + ", ".join(
-            f"{t}: {100 * x:.0f}%" for t, x in zip(c.cpu_threads, c.cpu_rate_spread)))
-    lines += [f"GPU AdamW      {g(c.gpu_rate)} G elements/s",
-              f"pinned H2D     {g(c.h2d_bw)} GB/s alone {g(c.h2d_duplex_bw)} GB/s duplex",
-              f"pinned D2H     {g(c.d2h_bw)} GB/s alone {g(c.d2h_duplex_bw)} GB/s duplex",
-              f"host memory    {g(c.host_mem_bw)} GB/s peak combined traffic (CPU AdamW + copies)"]
-    if c.local_ranks > 1:
-        lines.append(f"local ranks    {c.local_ranks} sharing this host: " + (
-            "each rate above is the slowest rank's, measured with all running at once"
-            if c.per_rank else "derated from a 1-rank profile (not measured with them running)"))
-        for r in c.per_rank or ():
-            lines.append(f"  rank {r['rank']}: CPU AdamW G/s " + ", ".join(
-                f"{t}: {x / 1e9:.2f}" for t, x in zip(c.cpu_threads, r["cpu_rate"]))
-                + "".join(f" | {name} {r[name] / 1e9:.1f}" for name in ("h2d_duplex_bw", "d2h_duplex_bw")
-                          if r.get(name) is not None))
-    lines += [f"WARNING {w}" for w in c.warnings]
-    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
