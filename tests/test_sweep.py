@@ -132,16 +132,18 @@ def test_kill_group_waits_for_every_process_of_the_run():
 
 
 def test_preflight_waits_while_host_memory_is_being_released(monkeypatch):
+    import dos.lab.preflight as pf
+
     spec = sw.parse({"runs": [{"system": "dos", "placement": "cpu", "model": "1.3B"}]}, "w").runs[0]
     need = sw.host_bytes_estimate(spec)[0] / 2**30
     sweep = sw.parse({"runs": [{"system": "torch-cpu"}]}, "w")
-    monkeypatch.setattr(sw, "SETTLE_POLL_S", 0.0)
+    monkeypatch.setattr(pf, "SETTLE_POLL_S", 0.0)
     monkeypatch.delenv("DOS_HOST_MEMORY_GIB", raising=False)
 
     def reads(values, src="available host memory"):
         it = iter(values)
         seen = []
-        monkeypatch.setattr(sw, "available_host_gib", lambda *_: (seen.append(1) or next(it), src))
+        monkeypatch.setattr(pf, "available_host_gib", lambda *_: (seen.append(1) or next(it), src))
         return seen
 
     seen = reads([0.5 * need, 0.8 * need, 1.1 * need])  # a dying run releasing its memory
@@ -150,7 +152,7 @@ def test_preflight_waits_while_host_memory_is_being_released(monkeypatch):
     assert sw.settled_preflight(spec, sweep).startswith("host memory preflight") and len(seen) == 2
     seen = reads([0.5 * need] * 2, src="host_memory_gib in the sweep file")  # a stated size: no wait
     assert "host_memory_gib in the sweep file" in sw.settled_preflight(spec, sweep) and len(seen) == 1
-    monkeypatch.setattr(sw, "SETTLE_MAX_S", 0.0)  # the wait is bounded
+    monkeypatch.setattr(pf, "SETTLE_MAX_S", 0.0)  # the wait is bounded
     seen = reads([0.5 * need, 0.8 * need])
     assert sw.settled_preflight(spec, sweep) and len(seen) == 1
 
@@ -241,7 +243,7 @@ def test_preflight_skips_what_cannot_fit_and_what_is_missing(tmp_path, monkeypat
     assert counts["skipped"] == 3 and [r["status"] for r in rows] == ["skipped"] * 3
     assert rows[0]["error"].startswith("host memory preflight: needs ~")
     assert "16.0 GiB (host_memory_gib in the sweep file)" in rows[0]["error"]
-    if not sw._cuda_available():
+    if not __import__("dos.lab.preflight").lab.preflight._cuda_available():
         assert "no CUDA device" in rows[1]["error"] and "no CUDA device" in rows[2]["error"]
     assert int(rows[0]["n_params"]) > 30e9 and not list(tmp_path.glob("*/log.txt"))
     # the env var overrides the file; the CLI flag overrides both

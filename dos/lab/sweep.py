@@ -33,7 +33,6 @@ everything before the first run.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -53,16 +52,14 @@ import psutil
 import yaml
 
 from dos.lab.bench import records
-from dos.lab.bench.spec import CUDA_ONLY, ConfigError, RunSpec
+from dos.lab.bench.spec import ConfigError, RunSpec
+from dos.lab.preflight import (DOS_STATE_BPP, MEMORY_REASON, available_host_gib,  # noqa: F401 (API)
+                               host_bytes_estimate, preflight, settled_preflight)
 
 SWEEP_KEYS = {"name", "description", "defaults", "grid", "runs", "host_memory_gib", "timeout_s",
               "repeat", "headline", "supersedes", "supersede_reason"}
 RESULTS = Path("experiments") / "results"
 _GIB = 2**30
-SETTLE_MAX_S = 60.0   # the preflight's longest wait for host memory still being released
-SETTLE_POLL_S = 1.0
-SETTLE_GROWTH_GIB = 0.5  # per poll: less growth than this, and the memory has settled
-MEMORY_REASON = "host memory preflight"  # how a skipped row for want of host memory begins
 GROUP_EXIT_S = 10.0  # how long _kill_group waits for a run's processes to be gone
 
 
@@ -179,104 +176,6 @@ def _short(d: dict) -> str:
 
 
 # ---------------------------------------------------------------- preflight
-
-DOS_STATE_BPP = {"fp32": 14.0, "bf16": 10.0, "int8": 8.0 + 8 / 2048}
-"""dos's host bytes per non-resident parameter by moment format (RunSpec.moments): fp32 master, the
-two moments (4 + 4, 2 + 2, or 1 + 1 with two fp32 scales per 2048-element block) and the bf16
-gradient slot (dos.state_format)."""
-
-
-def host_bytes_estimate(spec: RunSpec) -> tuple:
-    """(bytes of host memory the run needs, how it was estimated). Conservative, from §8's facts."""
-    from dos.lab.bench.models import preset
-
-    n = preset(spec.model, spec.model_overrides).n_params()
-    s = spec.system
-    if s == "dos":
-        fixed = _auto_resident_share(spec, n) if spec.gpu_fraction == "auto" else spec.gpu_fraction or 0.0
-        share = 0.0 if spec.placement == "gpu" else 1.0 - fixed
-        host_bpp = DOS_STATE_BPP[spec.moments or "fp32"] * share
-    elif s == "deepspeed-zero2-offload":
-        host_bpp = 22.0  # fp32 master + moments + fp32 gradient partition, pinned (issue 16: 20-25)
-    elif s == "deepspeed-zero2-offload-bf16":
-        host_bpp = 12.0  # bf16 master, moments and gradients (8), pinned staging besides
-    elif s in ("deepspeed-zero-offload", "deepspeed-zero3-offload", "deepspeed-twinflow",
-               "deepspeed-superoffload"):
-        host_bpp = 20.0 * spec.ratio  # DeepSpeed measured 19.6 B/param at 6.7B (DESIGN.md §1-2)
-    elif s == "torchao-cpu-offload":
-        host_bpp = 12.0
-    else:
-        host_bpp = 0.0
-    dev_bpp = 0.0
-    if spec.device == "cpu":  # the "device" memory is host memory too
-        dev_bpp = 4.0 + (16.0 if s == "torch-cpu" else DOS_STATE_BPP[spec.moments or "fp32"] - host_bpp
-                         if s == "dos" else 12.0)
-    base = (1.5 if spec.device == "cpu" else 3.0) + (1.0 if s.startswith("deepspeed") else 0.0)
-    base *= spec.gpus  # one process per GPU; the optimizer state is sharded: its total is unchanged
-    need = n * (host_bpp + dev_bpp) + base * _GIB
-    how = f"{host_bpp + dev_bpp:.0f} B/param x {n / 1e9:.2f}B params + {base:.1f} GiB base" + (
-        f" ({spec.gpus} processes)" if spec.gpus > 1 else "")
-    return need, how
-
-
-def _auto_resident_share(spec: RunSpec, n: int) -> float:
-    """gpu_fraction "auto" is resident-first (dos.residency): the host holds only what the GPU
-    cannot. A generous estimate of the resident share — 85% of the GPU (its cap, else the device)
-    less the bf16 weights and gradients (4 B/param) and 10 GiB of activations, filled with state —
-    so that the sweep skips only what cannot fit; the engine's own check after the first step is
-    exact (a run refused there records its HostMemoryError). 0 without a CUDA device."""
-    if spec.device != "cuda" or not _cuda_available():
-        return 0.0
-    import torch
-
-    total = (spec.gpu_mem_cap_gib * _GIB if spec.gpu_mem_cap_gib
-             else torch.cuda.get_device_properties(0).total_memory)
-    room = 0.85 * total - 4.0 * n - 10 * _GIB
-    state = DOS_STATE_BPP[spec.moments or "fp32"] - 2.0  # on the GPU: no host gradient slot
-    return min(1.0, max(0.0, room / (state * n)))
-
-
-def available_host_gib(sweep: Sweep, override: Optional[float] = None) -> tuple:
-    """(GiB the preflight may plan for, where that number came from)."""
-    if override:
-        return float(override), "--host-memory-gib"
-    if os.environ.get("DOS_HOST_MEMORY_GIB"):
-        return float(os.environ["DOS_HOST_MEMORY_GIB"]), "DOS_HOST_MEMORY_GIB"
-    if sweep.host_memory_gib:
-        return float(sweep.host_memory_gib), "host_memory_gib in the sweep file"
-    return psutil.virtual_memory().available / _GIB, "available host memory"
-
-
-_CUDA = None
-
-
-def _cuda_available() -> bool:
-    global _CUDA
-    if _CUDA is None:
-        import torch
-
-        _CUDA = bool(torch.cuda.is_available())
-    return _CUDA
-
-
-def preflight(spec: RunSpec, host_gib: float, host_src: str) -> Optional[str]:
-    """Why `spec` cannot run here (a `skipped` row's reason), or None."""
-    needs_cuda = spec.device == "cuda" or (spec.device == "auto" and spec.system in CUDA_ONLY)
-    if needs_cuda and not _cuda_available():
-        return f"no CUDA device on this machine ({spec.system} on device {spec.device!r})"
-    module = ("deepspeed" if spec.system.startswith("deepspeed")
-              else "torchao" if spec.system == "torchao-cpu-offload" else None)
-    if module and importlib.util.find_spec(module) is None:
-        return f"{module} is not installed"
-    if spec.system in ("dos", "torch-gpu", "torch-cpu") or spec.system.startswith("deepspeed"):
-        if importlib.util.find_spec("transformers") is None:
-            return "transformers is not installed"
-    need, how = host_bytes_estimate(spec)
-    if need > host_gib * _GIB:
-        return (f"{MEMORY_REASON}: needs ~{need / _GIB:.1f} GiB ({how}) but {host_gib:.1f} GiB "
-                f"({host_src}) is available; set host_memory_gib / DOS_HOST_MEMORY_GIB if that is wrong")
-    return None
-
 
 # ---------------------------------------------------------------- one run
 
@@ -470,23 +369,6 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     if pack:
         pack_dir(out_dir, pack)
     return counts
-
-
-def settled_preflight(spec: RunSpec, sweep: Sweep, override: Optional[float] = None) -> Optional[str]:
-    """`preflight` against the host memory available now; where that is what stops the run, wait
-    while it is still growing (the previous run's memory being released; e.g. ~100 GiB of pinned
-    DeepSpeed buffers take seconds to free), at most `SETTLE_MAX_S`."""
-    host_gib, src = available_host_gib(sweep, override)
-    why = preflight(spec, host_gib, src)
-    deadline = time.monotonic() + SETTLE_MAX_S
-    while (why and why.startswith(MEMORY_REASON) and src == "available host memory"
-           and time.monotonic() < deadline):
-        time.sleep(SETTLE_POLL_S)
-        before, (host_gib, src) = host_gib, available_host_gib(sweep, override)
-        why = preflight(spec, host_gib, src)
-        if host_gib - before < SETTLE_GROWTH_GIB:
-            break
-    return why
 
 
 def _terminate_as_exit():
