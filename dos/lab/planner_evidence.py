@@ -24,7 +24,7 @@ from typing import Optional
 import pandas as pd
 
 from dos.lab import results as R
-from dos.lab.checks import MISS, PASS, CheckTable, _check_table
+from dos.lab.verdicts import MISS, PASS, CheckTable, _check_table
 from dos.lab.results import require_rows
 
 FIXED = ("cpu", "k=1", "k=2", "k=3", "k=4", "k=6")

@@ -1,0 +1,254 @@
+"""Issue 17's checks (fewer bytes per parameter): convergence per moment format against the
+no-offload band, update-phase speed per format, what fits one GPU machine, host bytes per
+non-resident parameter. Each returns a `CheckTable` (dos.lab.verdicts) and raises ValueError on
+empty input; `dos.lab.checks` re-exports them. Split from dos/lab/checks.py."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from dos.lab.results import NO_OFFLOAD, baseline_key, require_rows
+from dos.lab.verdicts import MISS, PASS, CheckTable, _check_table
+
+
+def _dtype_of(df: pd.DataFrame) -> pd.Series:
+    return df["state_dtype"].replace("", "fp32").fillna("fp32") if "state_dtype" in df else \
+        pd.Series("fp32", index=df.index)
+
+
+def _rng(v: pd.Series) -> str:
+    return f"{v.min():.4g}-{v.max():.4g}" if len(v) else ""
+
+
+CONVERGENCE_BAND_TOLERANCE = 0.01
+"""Issue 17, criterion 2: bf16 moments within the no-offload band, or within 1% of dos fp32."""
+
+
+def final_losses(steps: pd.DataFrame, window: int = 50) -> pd.DataFrame:
+    """Per run (run_id): the mean loss of its last `window` measured steps (`final_mean`), with its
+    key, system and state precision."""
+    require_rows(steps, "final_losses")
+    s = steps[steps["measured"].astype(str).eq("True")] if "measured" in steps else steps
+    s = s.assign(state_dtype=_dtype_of(s)).sort_values("step")
+    out = []
+    for rid, g in s.groupby("run_id", sort=False):
+        g = g.drop_duplicates("step", keep="last")
+        tail = g.tail(window)
+        out.append({"run_id": rid, "key": g["key"].iloc[0], "system": g["system"].iloc[0] if "system" in g else "",
+                    "state_dtype": g["state_dtype"].iloc[0], "steps": len(g),
+                    "last_steps": f"{tail['step'].iloc[0]}-{tail['step'].iloc[-1]}", "final_mean": tail["loss"].mean()})
+    return pd.DataFrame(out)
+
+
+def state_dtype_convergence_check(steps: pd.DataFrame, window: int = 50, baselines: Sequence[str] = NO_OFFLOAD,
+                                  tolerance: float = CONVERGENCE_BAND_TOLERANCE,
+                                  graded: Sequence[str] = ("bf16",), ours: str = "dos") -> CheckTable:
+    """Issue 17, criterion 2: per system key and state precision, the median over its runs of the
+    final `window`-step mean loss, against (a) the no-offload band: min-max of the no-offload
+    baseline's own repeated runs (its run-to-run spread; >= 2 runs make a band), and (b) dos with
+    fp32 moments of the same key (else any dos fp32 run). PASS when inside the band or within
+    `tolerance` (1%) of fp32. Graded: `ours` rows whose state precision is in `graded` (bf16
+    moments); int8, dos fp32 itself and other systems (DeepSpeed's bf16 offload) are reported
+    beside them with the same test. Raises on empty input."""
+    require_rows(steps, "state_dtype_convergence_check")
+    columns = ("key", "state_dtype", "final_mean", "band", "vs_fp32")
+    fin = final_losses(steps, window)
+    base_key = baseline_key(fin["key"], baselines)
+    base = fin[fin["key"].eq(base_key)]["final_mean"] if base_key else pd.Series(dtype=float)
+    lo, hi = (base.min(), base.max()) if len(base) >= 2 else (math.nan, math.nan)
+    mine = fin[fin["system"].eq(ours)]
+    fp32 = mine[mine["state_dtype"].eq("fp32")]
+    out = []
+    for (key, dt), g in fin[fin["key"].ne(base_key)].groupby(["key", "state_dtype"], sort=False):
+        x = g["final_mean"].median()
+        ref = fp32[fp32["key"].eq(key)] if fp32["key"].eq(key).any() else fp32
+        ref_x = ref["final_mean"].median() if len(ref) else math.nan
+        in_band = bool(lo <= x <= hi)
+        vs = x / ref_x - 1 if ref_x == ref_x else math.nan
+        held = in_band or (vs == vs and abs(vs) <= tolerance)
+        out.append({"key": key, "state_dtype": dt, "runs": len(g), "final_mean": x,
+                    "baseline": base_key, "baseline_runs": len(base), "band": f"{lo:.4f}-{hi:.4f}" if lo == lo else "",
+                    "in_band": in_band, "fp32_final_mean": ref_x, "vs_fp32": vs,
+                    "graded": bool(g["system"].eq(ours).all() and dt in graded),
+                    "target": f"final {window}-step mean inside the no-offload band (min-max of its runs) "
+                              f"or within {tolerance:.0%} of dos fp32",
+                    "verdict": PASS if held else MISS})
+    return _check_table(out, columns)
+
+
+STATE_SPEED_TARGET = 1.35
+"""Issue 17, criterion 3: the update phase with bf16 moments >= 1.35x faster than with fp32 state."""
+LOWP_BASELINES = ("deepspeed-zero2-offload-bf16", "torchao-cpu-offload")
+
+
+def _vals(g: pd.DataFrame, key: str, dt: str, metric: str) -> pd.Series:
+    return g[g["key"].eq(key) & g["state_dtype"].eq(dt)][metric].astype(float).dropna()
+
+
+def state_dtype_speed_check(df: pd.DataFrame, keys: Sequence[str] = ("dos-cpu", "dos-auto"),
+                            baselines: Sequence[str] = LOWP_BASELINES, target: float = STATE_SPEED_TARGET,
+                            min_runs: int = 3, models: Optional[Sequence[str]] = None) -> CheckTable:
+    """Issue 17, criterion 3, per batch (ratios only within one batch_id) and model: for each dos
+    key of `keys`, the median update phase (`step_s`) with fp32 state over the median with bf16
+    moments (PASS when >= `target`; int8 reported beside it); and the dos bf16-moment median
+    iteration (`iter_s`) over each of `baselines`' (PASS when < 1: faster). Medians with min-max
+    ranges; a graded row needs >= `min_runs` runs on each side. Rows without a batch_id are left
+    out. Raises on empty input."""
+    require_rows(df, "state_dtype_speed_check")
+    d = df[df["status"].eq("ok")] if "status" in df else df
+    d = d.assign(state_dtype=_dtype_of(d))
+    d = d[d["batch_id"].astype(str).ne("")]
+    if models is not None:
+        d = d[d["model"].isin(list(models))]
+    out = []
+    for (batch, model), g in d.groupby(["batch_id", "model"], sort=False):
+        for key in keys:
+            fp32 = _vals(g, key, "fp32", "step_s")
+            for dt in ("bf16", "int8"):
+                low = _vals(g, key, dt, "step_s")
+                if not len(fp32) or not len(low):
+                    continue
+                r = fp32.median() / low.median()
+                enough = len(fp32) >= min_runs and len(low) >= min_runs
+                out.append({"batch_id": batch, "model": model, "key": key, "state_dtype": dt, "metric": "step_s",
+                            "comparison": f"update phase: fp32 state / {dt} moments", "median_s": low.median(),
+                            "range_s": _rng(low), "runs": len(low), "reference": f"{key} fp32",
+                            "reference_median_s": fp32.median(), "reference_range_s": _rng(fp32),
+                            "reference_runs": len(fp32), "value": r, "graded": dt == "bf16",
+                            "target": f"speedup >= {target} (medians, >= {min_runs} runs each, one batch)",
+                            "verdict": PASS if r >= target and enough else MISS})
+            ours = _vals(g, key, "bf16", "iter_s")
+            for b in baselines:
+                theirs = g[g["key"].eq(b)]["iter_s"].astype(float).dropna()
+                if not len(ours) or not len(theirs):
+                    continue
+                r = ours.median() / theirs.median()
+                enough = len(ours) >= min_runs and len(theirs) >= min_runs
+                out.append({"batch_id": batch, "model": model, "key": key, "state_dtype": "bf16", "metric": "iter_s",
+                            "comparison": f"iteration: dos bf16 moments / {b}", "median_s": ours.median(),
+                            "range_s": _rng(ours), "runs": len(ours), "reference": b,
+                            "reference_median_s": theirs.median(), "reference_range_s": _rng(theirs),
+                            "reference_runs": len(theirs), "value": r, "graded": True,
+                            "target": f"ratio < 1 (faster; medians, >= {min_runs} runs each, one batch)",
+                            "verdict": PASS if r < 1 and enough else MISS})
+    return _check_table(out, ("batch_id", "model", "key", "comparison", "value"))
+
+
+CAPACITY_CASES = {"13B": ("fp32",), "20B": ("bf16", "int8")}
+"""Issue 17, criterion 4: the model that must train with each set of moment formats (any one)."""
+
+
+def _host_need(error: str) -> float:
+    """GiB a preflight-skipped row said it needs (`... needs ~X GiB ...`), else NaN."""
+    import re
+
+    m = re.search(r"needs ~([\d.]+) GiB", str(error or ""))
+    return float(m.group(1)) if m else math.nan
+
+
+def capacity_check(df: pd.DataFrame, cases: Optional[dict] = None, steps: int = 20, ours: str = "dos",
+                   others: Sequence[str] = ("deepspeed-zero2-offload", "deepspeed-zero2-offload-bf16")) -> CheckTable:
+    """Issue 17, criterion 4: for each model of `cases` (model -> moment formats, any one of which
+    must work; CAPACITY_CASES), each format's latest `ours` row: PASS when it ran (status ok)
+    >= `steps` measured steps with a finite last loss; its peak GPU and host memory, s/iter and
+    host bytes per parameter beside it. A model's verdict needs one format: the formats that
+    passed are graded (all of them when none did). `others` (DeepSpeed's offload at the same
+    models) are reported, not graded, with the host memory they needed (measured, or the
+    preflight's estimate from a skipped row). `df` holds every status (results.rows(dirs,
+    status=records.STATUSES)). Raises on empty input."""
+    require_rows(df, "capacity_check")
+    cases = CAPACITY_CASES if cases is None else cases
+    d = df.assign(state_dtype=_dtype_of(df)).sort_values("timestamp")
+    out = []
+    for model, formats in cases.items():
+        rows_ = []
+        for dt in formats:
+            m = d[d["system"].eq(ours) & d["model"].eq(model) & d["state_dtype"].eq(dt)]
+            ok = m[m["status"].eq("ok")] if len(m) else m
+            r = (ok if len(ok) else m).iloc[-1] if len(m) else None
+            n = float(r["steps"]) if r is not None and r["steps"] == r["steps"] else 0.0
+            loss = float(r["loss_last"]) if r is not None and r["loss_last"] == r["loss_last"] else math.nan
+            held = r is not None and r["status"] == "ok" and n >= steps and math.isfinite(loss)
+            rows_.append({"model": model, "system": ours, "key": r["key"] if r is not None else None,
+                          "state_dtype": dt, "status": r["status"] if r is not None else "no run",
+                          "steps": n, "loss_last": loss,
+                          "iter_s": r["iter_s"] if r is not None else math.nan,
+                          "peak_gpu_gib": r["peak_gpu_gib"] if r is not None else math.nan,
+                          "peak_host_gib": r["peak_host_gib"] if r is not None else math.nan,
+                          "host_need_gib": _host_need(r["error"]) if r is not None else math.nan,
+                          "host_bytes_per_param": r["host_bytes_per_param"] if r is not None else math.nan,
+                          "gpu_fraction": r["gpu_fraction"] if r is not None else None,
+                          "why": (str(r["error"])[:160] if r is not None and not held else ""),
+                          "run_id": r["run_id"] if r is not None else None,
+                          "target": f"{model} with {' or '.join(formats)} moments: {steps} steps, finite loss",
+                          "verdict": PASS if held else MISS})
+        any_pass = any(x["verdict"] == PASS for x in rows_)
+        for x in rows_:
+            x["graded"] = x["verdict"] == PASS or not any_pass
+        out += rows_
+        for sysname in others:
+            m = d[d["system"].eq(sysname) & d["model"].eq(model)]
+            if not len(m):
+                continue
+            r = m.iloc[-1]
+            out.append({"model": model, "system": sysname, "key": r["key"], "state_dtype": r["state_dtype"],
+                        "status": r["status"], "steps": r["steps"], "loss_last": r["loss_last"],
+                        "iter_s": r["iter_s"], "peak_gpu_gib": r["peak_gpu_gib"], "peak_host_gib": r["peak_host_gib"],
+                        "host_need_gib": _host_need(r["error"]) if r["status"] != "ok" else r["peak_host_gib"],
+                        "host_bytes_per_param": r["host_bytes_per_param"], "gpu_fraction": None,
+                        "why": str(r["error"] or "")[:160], "run_id": r["run_id"], "graded": False,
+                        "target": "reported beside dos (host memory it needs)",
+                        "verdict": PASS if r["status"] == "ok" else MISS})
+    return _check_table(out, ("model", "system", "state_dtype", "status"))
+
+
+HOST_BYTES_TARGET = {"bf16": 10.0, "int8": 8.0}
+"""Issue 17, criterion 5: host bytes per non-resident parameter."""
+NOMINAL_HOST_BYTES = {"fp32": 14.0, "bf16": 10.0, "int8": 8.0 + 8 / 2048}
+"""What each format needs per element: fp32 master 4 + moments (8, 4, or 2 + two fp32 scales per
+2048-element block) + the bf16 gradient slot 2 (dos.state_format; dos.lab.sweep.DOS_STATE_BPP)."""
+
+
+def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str = "dos") -> CheckTable:
+    """Issue 17, criterion 5, per model and state precision of `ours`' ok rows: the measured host
+    bytes per non-resident parameter, `host_bytes_per_param` (the optimizer's describe(): arena
+    bytes over all parameters) / the non-resident share (1 - the plan's resident fraction), the
+    largest over the rows. PASS when <= the format's target (HOST_BYTES_TARGET), compared as
+    recorded (4 decimals), never rounded further: int8's two fp32 scales per 2048-element block
+    (8/2048 = 0.0039 B per element) make it 8.004 > 8, a MISS whose `reason` says so; padding (each
+    parameter 64-element aligned, a short last block) shows as the excess over the nominal bytes.
+    fp32 rows are reported (14 B), not graded. Raises on empty input."""
+    require_rows(df, "host_bytes_check")
+    targets = HOST_BYTES_TARGET if targets is None else targets
+    d = df[df["status"].eq("ok")] if "status" in df else df
+    d = d[d["system"].eq(ours)].assign(state_dtype=_dtype_of(d[d["system"].eq(ours)]))
+    res = d["resident_fraction"].astype(float) if "resident_fraction" in d else pd.Series(0.0, index=d.index)
+    share = 1.0 - res.fillna(0.0)
+    d = d.assign(nonresident_share=share,
+                 per_nonresident=d["host_bytes_per_param"].astype(float) / share.where(share > 0))
+    d = d[d["per_nonresident"].notna()]
+    out = []
+    for (model, dt), g in d.groupby(["model", "state_dtype"], sort=False):
+        r = g.loc[g["per_nonresident"].idxmax()]
+        v, nominal = float(r["per_nonresident"]), NOMINAL_HOST_BYTES.get(dt, math.nan)
+        t = targets.get(dt, nominal)
+        held = v <= t
+        reason = ""
+        if not held:
+            parts = []
+            if nominal > t:
+                why = ("two fp32 scales per 2048-element block: 8/2048 = 0.0039 B per element"
+                       if dt == "int8" else "nominal")
+                parts.append(f"the format needs {nominal:.4f} B ({why})")
+            if v > nominal:
+                parts.append(f"padding +{v - nominal:.4f} B (64-element alignment, short last block)")
+            reason = "; ".join(parts) or "above target"
+        out.append({"model": model, "state_dtype": dt, "runs": len(g), "key": r["key"], "run_id": r["run_id"],
+                    "host_bytes_per_param": float(r["host_bytes_per_param"]),
+                    "nonresident_share": float(r["nonresident_share"]), "per_nonresident_param": v,
+                    "nominal": nominal, "excess": v - t, "reason": reason, "graded": dt in targets,
+                    "target": f"<= {t:g} B per non-resident parameter ({dt})",
+                    "verdict": PASS if held else MISS})
+    return _check_table(out, ("model", "state_dtype", "per_nonresident_param"))
