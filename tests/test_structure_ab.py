@@ -37,3 +37,28 @@ def test_the_refactored_core_updates_within_the_old_cores_noise_on_the_h200():
     # The one iteration-time miss: the refactored core's runs were faster (forward/backward).
     assert list(it.index[it["verdict"] == checks.MISS]) == ["interleaved"]
     assert it.loc["interleaved", "diff_pct"] < 0
+
+
+def _sched(static, dynamic, threads=16):
+    rows = [dict(status="ok", cpu_impl="dos-csrc-avx512-static", placement="interleaved", stride="3",
+                 cpu_threads=threads, batch_id="B", gpu_uuid="GPU-1", boot_id="b", step_s=t, iter_s=t)
+            for t in static]
+    rows += [dict(status="ok", cpu_impl="dos-csrc-avx512", placement="interleaved", stride="3",
+                  cpu_threads=threads, batch_id="B", gpu_uuid="GPU-1", boot_id="b", step_s=t, iter_s=t)
+             for t in dynamic]
+    return pd.DataFrame(rows)
+
+
+def test_schedule_ab_check_passes_unless_dynamic_is_slower_beyond_the_noise():
+    ok = checks.schedule_ab_check(_sched([0.70, 0.66, 0.74], [0.62, 0.63, 0.65]))
+    assert ok.verdict == checks.PASS and ok["diff_pct"].iloc[0] < 0  # dynamic faster
+    within = checks.schedule_ab_check(_sched([0.62, 0.63, 0.70], [0.64, 0.66, 0.65]))
+    assert within.verdict == checks.PASS  # slower by 0.02, inside the static runs' 0.08 range
+    slower = checks.schedule_ab_check(_sched([0.60, 0.61, 0.60], [0.70, 0.71, 0.72]))
+    assert slower.verdict == checks.MISS and slower["diff_pct"].iloc[0] == pytest.approx(18.3, abs=0.1)
+    alone = checks.schedule_ab_check(pd.concat([_sched([0.6, 0.61], [0.6, 0.62]),
+                                                _sched([], [0.58, 0.6, 0.59], threads=15)]))
+    assert alone.verdict == checks.PASS and len(alone.graded) == 2  # the 15-thread rows: reported only
+    assert "15 threads" in " ".join(alone["config"])
+    with pytest.raises(ValueError):
+        checks.schedule_ab_check(pd.DataFrame())

@@ -256,6 +256,40 @@ def core_ab_check(df: pd.DataFrame, old_suffix: str = "-core",
     return _check_table(out, ["batch_id", "config", "metric"])
 
 
+def schedule_ab_check(df: pd.DataFrame, metrics: Sequence[str] = ("step_s", "iter_s")) -> CheckTable:
+    """The CPU kernel's thread schedule in situ (`kernel-schedule-ab-3b`: rows whose cpu_impl ends
+    in "-static" ran fixed per-thread ranges, the others dynamic chunks), per machine boot and
+    configuration (placement, stride, threads): the medians of both and their difference against
+    the run-to-run noise (the larger of the two variants' ranges). PASS when dynamic is not slower
+    beyond that noise (>= 2 runs each); the row says which was faster and by how much. The
+    15-thread rows have no static twin: reported with one variant, not graded."""
+    require_rows(df, "schedule_ab_check")
+    df = df[df["status"].eq("ok")].copy() if "status" in df else df.copy()
+    df["schedule"] = df["cpu_impl"].astype(str).str.endswith("-static").map({True: "static", False: "dynamic"})
+    threads = df["cpu_threads"] if "cpu_threads" in df else pd.Series("", index=df.index)
+    df["config"] = (df["placement"].astype(str) + df["stride"].astype(str).map(
+        lambda k: "" if k in ("", "nan", "None") else f" k={k}") + ", " + threads.map(
+        lambda t: "" if pd.isna(t) or t == "" else f"{int(float(t))}") + " threads")
+    out = []
+    for (_, _, config), g in df.groupby(["gpu_uuid", "boot_id", "config"], sort=False):
+        for m in metrics:
+            a = pd.to_numeric(g.loc[g["schedule"] == "static", m], errors="coerce").dropna()
+            b = pd.to_numeric(g.loc[g["schedule"] == "dynamic", m], errors="coerce").dropna()
+            enough = len(a) >= 2 and len(b) >= 2
+            noise = max(a.max() - a.min(), b.max() - b.min()) if enough else float("nan")
+            diff = b.median() - a.median() if len(a) and len(b) else float("nan")
+            out.append(dict(batch_id=" + ".join(dict.fromkeys(g["batch_id"].astype(str))), config=config,
+                            metric=m, static_runs=len(a), dynamic_runs=len(b),
+                            static_median=round(a.median(), 4) if len(a) else None,
+                            dynamic_median=round(b.median(), 4) if len(b) else None,
+                            diff_pct=round(100 * diff / a.median(), 1) if len(a) and len(b) else None,
+                            noise_pct=round(100 * noise / a.median(), 1) if enough else None,
+                            graded=bool(len(a) and len(b)),
+                            target="dynamic median <= static median + the larger within-variant range (>= 2 runs each)",
+                            verdict=PASS if enough and diff <= noise else MISS))
+    return _check_table(out, ["batch_id", "config", "metric"])
+
+
 # ---------------------------------------------------------------- issue 18: scaling with GPUs
 
 GPU_SCALING_TARGET = 1.8
