@@ -266,3 +266,18 @@ def test_timeout_and_crash_become_rows(tmp_path):
     row = records.read_rows(tmp_path / "runs.csv")[-1]
     assert row["status"] == "error" and row["error"] and row["iter_s"] == ""
     assert (tmp_path / row["log_file"]).exists() and (tmp_path / row["markers_file"]).exists()
+
+
+def test_a_superseding_sweep_re_measures_once_not_at_every_resume(tmp_path):
+    """supersedes: the named runs run again even where a row is there — once: a resumed sweep finds
+    their last row naming them and leaves them (a perpetual re-run would add rows each call)."""
+    doc = {"defaults": {"device": "cpu", "seq_len": 16, "micro_batch": 1, "warmup": 0, "steps": 1,
+                        "nvml_hz": 5}, "runs": [{"system": "torch-cpu"}]}
+    first = sw.parse(doc, "sup")
+    sw.run(first, tmp_path, progress=False, allow_dirty=True)
+    rid = first.runs[0].run_id()
+    again = sw.parse(dict(doc, supersedes=[rid], supersede_reason="re-measured after a fix"), "sup")
+    assert sw.run(again, tmp_path, progress=False, allow_dirty=True).get("ok") == 1
+    assert sw.run(again, tmp_path, progress=False, allow_dirty=True) == {"already": 1}
+    rows = records.read_rows(tmp_path / "runs.csv")
+    assert len(rows) == 2 and rows[1]["supersedes"] == rid and not rows[0]["supersedes"]

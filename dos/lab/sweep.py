@@ -329,8 +329,12 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     if not dry_run:
         check_clean(sweep, allow_dirty)
     batch_id = batch_id or new_batch_id()
-    latest = {r["run_id"]: r["status"] for r in records.read_rows(csv_path)}  # last row wins
-    again = set(sweep.supersedes)  # re-measured: run even where a row is there
+    last = {r["run_id"]: r for r in records.read_rows(csv_path)}  # last row wins
+    latest = {rid: r["status"] for rid, r in last.items()}
+    # re-measured: run even where a row is there, until a row of this re-measurement is (its last
+    # row names it in `supersedes`): a resumed sweep does not measure it yet again
+    again = {rid for rid in sweep.supersedes
+             if rid not in (last.get(rid, {}).get("supersedes") or "").split(";")}
     todo = [s for s in sweep.runs if latest.get(s.run_id(), "skipped") == "skipped" or s.run_id() in again]
     total_host = psutil.virtual_memory().total / _GIB
     counts = {"already": len(sweep.runs) - len(todo)}
