@@ -237,23 +237,39 @@ def core_ab_check(df: pd.DataFrame, old_suffix: str = "-core",
     df["core"] = df["git_sha"].astype(str).str.endswith(old_suffix).map({True: "old", False: "new"})
     df["config"] = df["placement"].astype(str) + df["gpu_fraction"].astype(str).map(
         lambda f: "" if f in ("", "0.0", "0", "nan", "None") else f", gpu_fraction {f}")
+    out = [dict(r, target="|median new - median old| <= the larger within-core range (>= 2 runs each)",
+                verdict=PASS if r["enough"] and abs(r["diff"]) <= r["noise"] else MISS)
+           for r in _ab_rows(df, "core", ("old", "new"), metrics)]
+    return _check_table([_public(r) for r in out], ["batch_id", "config", "metric"])
+
+
+def _ab_rows(df: pd.DataFrame, column: str, variants: Sequence[str], metrics: Sequence[str]) -> list:
+    """An A/B on one machine without a restart (grouped by GPU UUID and boot id; the batch ids of
+    that boot listed), per `config` and metric: each variant's runs and median (`column` says which
+    variant a row ran), B - A (`diff`) and the run-to-run noise, the larger of the two variants'
+    ranges (`noise`; `enough`: >= 2 runs of each)."""
+    a_name, b_name = variants
     out = []
     for (_, _, config), g in df.groupby(["gpu_uuid", "boot_id", "config"], sort=False):
         batch = " + ".join(dict.fromkeys(g["batch_id"].astype(str)))
         for m in metrics:
-            old = pd.to_numeric(g.loc[g["core"] == "old", m], errors="coerce").dropna()
-            new = pd.to_numeric(g.loc[g["core"] == "new", m], errors="coerce").dropna()
-            enough = len(old) >= 2 and len(new) >= 2
-            noise = max(old.max() - old.min(), new.max() - new.min()) if enough else float("nan")
-            diff = new.median() - old.median() if len(old) and len(new) else float("nan")
-            out.append(dict(batch_id=batch, config=config, metric=m, old_runs=len(old), new_runs=len(new),
-                            old_median=round(old.median(), 4) if len(old) else None,
-                            new_median=round(new.median(), 4) if len(new) else None,
-                            diff_pct=round(100 * diff / old.median(), 1) if len(old) and len(new) else None,
-                            noise_pct=round(100 * noise / old.median(), 1) if enough else None,
-                            target="|median new - median old| <= the larger within-core range (>= 2 runs each)",
-                            verdict=PASS if enough and abs(diff) <= noise else MISS))
-    return _check_table(out, ["batch_id", "config", "metric"])
+            a = pd.to_numeric(g.loc[g[column] == a_name, m], errors="coerce").dropna()
+            b = pd.to_numeric(g.loc[g[column] == b_name, m], errors="coerce").dropna()
+            enough = len(a) >= 2 and len(b) >= 2
+            noise = max(a.max() - a.min(), b.max() - b.min()) if enough else float("nan")
+            diff = b.median() - a.median() if len(a) and len(b) else float("nan")
+            out.append({"batch_id": batch, "config": config, "metric": m, f"{a_name}_runs": len(a),
+                        f"{b_name}_runs": len(b),
+                        f"{a_name}_median": round(a.median(), 4) if len(a) else None,
+                        f"{b_name}_median": round(b.median(), 4) if len(b) else None,
+                        "diff_pct": round(100 * diff / a.median(), 1) if len(a) and len(b) else None,
+                        "noise_pct": round(100 * noise / a.median(), 1) if enough else None,
+                        "both": bool(len(a) and len(b)), "enough": enough, "diff": diff, "noise": noise})
+    return out
+
+
+def _public(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in ("both", "enough", "diff", "noise")}
 
 
 def schedule_ab_check(df: pd.DataFrame, metrics: Sequence[str] = ("step_s", "iter_s")) -> CheckTable:
@@ -270,24 +286,11 @@ def schedule_ab_check(df: pd.DataFrame, metrics: Sequence[str] = ("step_s", "ite
     df["config"] = (df["placement"].astype(str) + df["stride"].astype(str).map(
         lambda k: "" if k in ("", "nan", "None") else f" k={k}") + ", " + threads.map(
         lambda t: "" if pd.isna(t) or t == "" else f"{int(float(t))}") + " threads")
-    out = []
-    for (_, _, config), g in df.groupby(["gpu_uuid", "boot_id", "config"], sort=False):
-        for m in metrics:
-            a = pd.to_numeric(g.loc[g["schedule"] == "static", m], errors="coerce").dropna()
-            b = pd.to_numeric(g.loc[g["schedule"] == "dynamic", m], errors="coerce").dropna()
-            enough = len(a) >= 2 and len(b) >= 2
-            noise = max(a.max() - a.min(), b.max() - b.min()) if enough else float("nan")
-            diff = b.median() - a.median() if len(a) and len(b) else float("nan")
-            out.append(dict(batch_id=" + ".join(dict.fromkeys(g["batch_id"].astype(str))), config=config,
-                            metric=m, static_runs=len(a), dynamic_runs=len(b),
-                            static_median=round(a.median(), 4) if len(a) else None,
-                            dynamic_median=round(b.median(), 4) if len(b) else None,
-                            diff_pct=round(100 * diff / a.median(), 1) if len(a) and len(b) else None,
-                            noise_pct=round(100 * noise / a.median(), 1) if enough else None,
-                            graded=bool(len(a) and len(b)),
-                            target="dynamic median <= static median + the larger within-variant range (>= 2 runs each)",
-                            verdict=PASS if enough and diff <= noise else MISS))
-    return _check_table(out, ["batch_id", "config", "metric"])
+    out = [dict(r, graded=r["both"],
+                target="dynamic median <= static median + the larger within-variant range (>= 2 runs each)",
+                verdict=PASS if r["enough"] and r["diff"] <= r["noise"] else MISS)
+           for r in _ab_rows(df, "schedule", ("static", "dynamic"), metrics)]
+    return _check_table([_public(r) for r in out], ["batch_id", "config", "metric"])
 
 
 # ---------------------------------------------------------------- issue 18: scaling with GPUs
