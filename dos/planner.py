@@ -278,10 +278,6 @@ class Planner:
         if free is None:
             return
         cfg = self.config
-        if cfg.placement == "static":
-            staged_shares = [Fraction(0)]
-        else:
-            staged_shares = None if cfg.stride == "auto" else [Fraction(1, cfg.stride)]
         if self.calibration is None:
             plan = perfmodel.fill_resident(self.plan, free, staging_slots=len(self._dev.slots),
                                            subgroup_numel=self.layout.subgroup_numel,
@@ -290,6 +286,10 @@ class Planner:
                 return
             source = "memory"
         else:
+            if cfg.placement == "static":
+                staged_shares = [Fraction(0)]
+            else:
+                staged_shares = None if cfg.stride == "auto" else [Fraction(1, cfg.stride)]
             try:
                 plan, _ = perfmodel.choose(
                     self.plan.numels, self.calibration, free_gpu_bytes=free, max_threads=self.max_threads,
