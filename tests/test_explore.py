@@ -297,7 +297,7 @@ def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_exploration_on_the_gpu_times_with_events_and_stays_exact(monkeypatch):
-    monkeypatch.setenv("DOS_EXPLORE", "1")  # opt-in on CUDA until the H200 sweeps have measured it
+    monkeypatch.delenv("DOS_EXPLORE", raising=False)  # on by default on CUDA
     monkeypatch.setattr(dos.planner, "_calibration", lambda device, *a: DESIGN_H200)
     a, opt, b, ref = pair("transformer", "cuda", subgroup_numel=500, placement="interleaved",
                           stride="auto", cpu_threads=2)
@@ -310,9 +310,12 @@ def test_exploration_on_the_gpu_times_with_events_and_stays_exact(monkeypatch):
     assert all(c["measured_s"] > 0 for c in rec["explorations"][0]["candidates"])
 
 
-def test_exploration_is_opt_in_on_cuda(monkeypatch):
-    """Until the H200 planner sweeps have measured it, exploration runs only with DOS_EXPLORE=1."""
+def test_exploration_is_on_by_default_on_cuda(monkeypatch):
+    """On CUDA stride="auto" explores unless DOS_EXPLORE=0 (planner-3b: the offline model alone
+    chose all-CPU, 1.235 s/iter, where exploring ran 0.892); CPU parameters never do."""
     monkeypatch.delenv("DOS_EXPLORE", raising=False)
+    assert dos.planner._explores(torch.device("cuda")) and not dos.planner._explores(torch.device("cpu"))
+    monkeypatch.setenv("DOS_EXPLORE", "0")
     assert not dos.planner._explores(torch.device("cuda")) and not dos.planner._explores(torch.device("cpu"))
     monkeypatch.setenv("DOS_EXPLORE", "1")
-    assert dos.planner._explores(torch.device("cuda")) and not dos.planner._explores(torch.device("cpu"))
+    assert dos.planner._explores(torch.device("cuda"))

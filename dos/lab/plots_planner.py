@@ -13,7 +13,7 @@ from dos.lab import planner_evidence as pe
 from dos.lab.plots import PALETTE, caption, empty, style
 
 NAME = "14-planner"
-MISSING = "no records yet: run\nexperiments/sweeps/{}.yaml\non the H200 (DOS_EXPLORE=1)"
+MISSING = "no records yet: run\nexperiments/sweeps/{}.yaml\non the H200"
 BEST = "#ffbf00"  # the best fixed plan (figure 5's "model's choice" colour)
 COLOURS = {"cpu": PALETTE["dos-cpu"], pe.AUTO: PALETTE["dos-auto"]}
 OFFSETS = (-0.14, 0.0, 0.14, -0.07, 0.07)  # a run's dot beside its config, by order: no random jitter
