@@ -254,3 +254,11 @@ def test_planner_figure_with_and_without_rows(tmp_path):
     fig = plots_planner.planner_figure(pe.planner_rows(pd.DataFrame()))
     assert sum("no records yet" in t.get_text() for ax in fig.axes for t in ax.texts) == 3
 
+
+
+def test_a_repeat_sweep_measures_its_shape():
+    """A sweep named `<shape>-repeat` (its own results directory) re-measures `<shape>`."""
+    from dos.lab.planner_evidence import shape_of
+
+    assert shape_of("planner-3b-repeat") == shape_of("planner-3b-repeat-2") == "planner-3b"
+    assert shape_of("planner-wide-4b") == "planner-wide-4b" and shape_of("repeat-x") == "repeat-x"

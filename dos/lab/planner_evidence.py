@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -106,7 +107,7 @@ def planner_rows(rows: pd.DataFrame) -> pd.DataFrame:
         # Exploration spread over the run's own iterations: every run of a shape runs the same
         # warmup + steps (the comparison unit), so auto pays its exploration once per that many.
         incl = r["iter_s"] + explore_s / iters if config == AUTO else r["iter_s"]
-        out.append({"shape": r["sweep"] or Path(r["results_dir"]).name, "batch_id": r["batch_id"],
+        out.append({"shape": shape_of(r["sweep"] or Path(r["results_dir"]).name), "batch_id": r["batch_id"],
                     "boot_id": r["boot_id"], "gpu_uuid": r["gpu_uuid"], "config": config, "repeat": r["repeat"],
                     "iter_s": r["iter_s"], "iter_incl_s": incl, "step_s": r["step_s"],
                     "predicted_step_s": r["predicted_step_s"], "plan": plan,
@@ -124,11 +125,18 @@ def planner_rows(rows: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def shape_of(sweep: str) -> str:
+    """The shape a planner sweep measures: its name, where a sweep named `<shape>-repeat` (or
+    `-repeat-N`) re-measures `<shape>` in another batch on a freshly started machine (criterion 3)
+    and writes to its own results directory."""
+    return re.sub(r"-repeat(-\d+)?$", "", str(sweep))
+
+
 def planner_runs(dirs) -> pd.DataFrame:
     """One row per ok run of the planner sweeps under `dirs` (dos all-CPU, fixed strides and
     stride "auto"; superseded rows left out, as `dos.lab.results.rows` does for every check):
-    shape (the sweep name), batch_id, boot_id, gpu_uuid, config ("cpu", "k=1", ..., "auto"),
-    repeat and order (position in its batch, by time), iter_s (mean of the measured steps),
+    shape (the sweep name, less a `-repeat` suffix: `shape_of`), batch_id, boot_id, gpu_uuid, config ("cpu", "k=1", ..., "auto"),
+    repeat and order (position in its batch, by time), iter_s (median of the measured steps),
     step_s (update phase), predicted_step_s (the offline model's prediction of the run's plan),
     plan (the plan the run ended on), and for auto: kept (the plan its last exploration kept, e.g.
     "k=3, 16 threads" or "cpu"), explore_steps, explore_s (seconds the exploration steps took
