@@ -206,3 +206,38 @@ def fake_cuda_attrs() -> dict:
                 synchronize=lambda *a: None, _sleep=lambda cycles: None,
                 mem_get_info=lambda *a: (2**33, 2**34), get_device_name=lambda *a: "FakeGPU",
                 is_available=lambda: True)
+
+
+# -- the C++ kernel's tests (test_kernel.py, test_state_format.py) ---------------------------------
+# Fixtures: a test module imports them by name (`from helpers import csrc_ops as ops, ...`).
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch's own ops (oracle, baseline) on one thread: parallel regions on a loaded 2-core CI
+    machine are slower, not faster. The kernel's thread counts are passed explicitly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def csrc_ops():
+    """`torch.ops.dos`, built; skips under DOS_NO_CSRC."""
+    import os
+
+    from dos import _csrc
+
+    if os.environ.get("DOS_NO_CSRC", "0") not in ("", "0"):
+        pytest.skip("DOS_NO_CSRC is set")
+    o = _csrc.ops()
+    assert o is not None, f"csrc did not build: {_csrc.info()}"
+    return o
+
+
+def need_isa(ops, isa):
+    """Skips unless this CPU has `isa`; "best": the best it has."""
+    if isa == "best":
+        return ops.cpu_isas()[0]
+    if isa not in ops.cpu_isas():
+        pytest.skip(f"this CPU has no {isa}")

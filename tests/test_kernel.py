@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dos import _csrc
+from helpers import csrc_ops, need_isa, one_torch_thread  # noqa: F401  (fixtures)
 from dos.adam import adamw_reference, cpu_adamw_, cpu_impl, torch_cpu_adamw_
 
 NO_CSRC = os.environ.get("DOS_NO_CSRC", "0") not in ("", "0")
@@ -27,30 +28,9 @@ HP = dict(lr=1e-2, beta2=0.999, eps=1e-8)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """torch's own ops (oracle, baseline) on one thread: parallel regions on a loaded 2-core CI
-    machine are slower, not faster. The kernel's thread counts are passed explicitly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if NO_CSRC:
-        pytest.skip("DOS_NO_CSRC is set")
-    o = _csrc.ops()
-    assert o is not None, f"csrc did not build: {_csrc.info()}"
-    return o
-
-
-def need(ops, isa):
-    if isa == "best":
-        return ops.cpu_isas()[0]
-    if isa not in ops.cpu_isas():
-        pytest.skip(f"this CPU has no {isa}")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ops = csrc_ops  # the fixture, under the name these tests take it by
+need = need_isa
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

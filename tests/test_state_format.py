@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dos import _csrc
+from helpers import csrc_ops, need_isa, one_torch_thread  # noqa: F401  (fixtures)
 from dos import state_format as sf
 from dos.adam import cpu_adamw_, cpu_state_step_
 
@@ -31,26 +32,9 @@ STEPS = [  # (step, lr, weight_decay, grad_scale)
     (1, 1e-2, 0.0, 1.0), (2, 3e-2, 0.1, 1.0), (3, 1e-3, 0.0, 4.0), (4, 2e-2, 0.01, 0.5)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if NO_CSRC:
-        pytest.skip("DOS_NO_CSRC is set")
-    o = _csrc.ops()
-    assert o is not None, f"csrc did not build: {_csrc.info()}"
-    return o
-
-
-def need(ops, isa):
-    if isa not in ops.cpu_isas():
-        pytest.skip(f"this CPU has no {isa}")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ops = csrc_ops  # the fixture, under the name these tests take it by
+need = need_isa
 
 
 def new_state(fmt, n, seed=0):
