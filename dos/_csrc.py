@@ -126,7 +126,7 @@ def ops():
                     _state["path"] = _build_and_load()
                     supported = list(torch.ops.dos.cpu_isas())
                     _state["isa"] = pick_isa(os.environ.get("DOS_CSRC_ISA"), supported)
-                    set_schedule(os.environ.get("DOS_CSRC_SCHEDULE") or "dynamic", loaded=True)
+                    _apply_schedule(os.environ.get("DOS_CSRC_SCHEDULE") or "dynamic")
                     _register_fake()
                     _state["ops"] = torch.ops.dos
                 except ValueError:  # a bad DOS_CSRC_ISA: an error at every call, not a fallback
@@ -161,14 +161,19 @@ def set_isa(name: Optional[str]) -> None:
     _state["isa"] = pick_isa(name, list(torch.ops.dos.cpu_isas()))
 
 
-def set_schedule(name: str, loaded: bool = False) -> None:
+def set_schedule(name: str) -> None:
     """How the kernel's threads share a call (DOS_CSRC_SCHEDULE): "dynamic" chunks (default) or
     "static", one fixed range per thread (the kernel before 2026-12-02, for in-situ A/B runs;
     docs/DESIGN.md §10). Results are bitwise the same."""
+    if ops() is None:
+        raise RuntimeError("dos: the C++ extension is not loaded")
+    _apply_schedule(name)
+
+
+def _apply_schedule(name: str) -> None:
+    """set_schedule's work, also while `ops()` loads the library (its lock held)."""
     if name not in SCHEDULES:
         raise ValueError(f"DOS_CSRC_SCHEDULE={name!r}: expected one of {', '.join(SCHEDULES)}")
-    if not loaded and ops() is None:
-        raise RuntimeError("dos: the C++ extension is not loaded")
     torch.ops.dos.set_schedule(name)
     _state["schedule"] = name
 
