@@ -226,6 +226,12 @@ def test_repeat_check_same_choice_near_choice_and_miss(tmp_path):
     _write(tmp_path / "d", "planner-3b", kept="k=6", batch="B4", boot="boot-d", hour=14)  # k=6: +15%
     far = pe.planner_repeat_check(pe.planner_runs([a, tmp_path / "d"]))
     assert far.verdict == "MISS" and far["second_vs_best"].iloc[0] == pytest.approx(0.15)
+    # the same choice in a second batch cut short (one run of auto missing): not comparable yet
+    cut = pe.planner_runs([a, tmp_path / "b"])
+    cut = cut.drop(cut.index[cut["batch_id"].eq("B2") & cut["config"].eq("auto")][-1])
+    short = pe.planner_repeat_check(cut)
+    assert short["same_choice"].iloc[0] and short.verdict == "MISS"
+    assert short["why"].iloc[0].startswith("second batch incomplete (") and not short["complete"].iloc[0]
 
 
 def test_repeat_check_breaks_a_tie_towards_the_slowest_choice(tmp_path):

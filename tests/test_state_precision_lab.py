@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from dos.lab import checks
+from dos.lab.bench.models import preset
 from dos.lab.bench.records import read_rows
 from dos.lab.bench.spec import ConfigError, RunSpec
 
@@ -135,6 +136,15 @@ def test_capacity_check():
     assert r.loc[("13B", "deepspeed-zero2-offload", "fp32"), "host_need_gib"] == pytest.approx(270.7)
     assert not r.loc[("13B", "deepspeed-zero2-offload", "fp32"), "graded"]
     assert checks.capacity_check(_capacity(int8_status="oom")).verdict == "MISS"  # neither 20B format
+    # skipped for want of the package: the need is the preflight's estimate from the recorded spec
+    spec = RunSpec(system="deepspeed-zero2-offload-bf16", model="13B", device="cuda")
+    ds = dict(_capacity().iloc[3], system=spec.system, key=spec.system, state_dtype="bf16", run_id="e",
+              error="deepspeed is not installed", config=json.dumps({"run": spec.to_dict()}))
+    r = checks.capacity_check(pd.concat([_capacity(), pd.DataFrame([ds])], ignore_index=True))
+    r = r.set_index(["model", "system", "state_dtype"]).loc[("13B", spec.system, "bf16")]
+    n = preset("13B").n_params()
+    assert r["host_need_gib"] == pytest.approx((12.0 * n) / 2**30 + 4.0)
+    assert "not installed; preflight estimate: 12 B/param" in r["why"]
     assert checks.capacity_check(_capacity(fp32_steps=10)).verdict == "MISS"  # too few steps
     with pytest.raises(ValueError):
         checks.capacity_check(pd.DataFrame())

@@ -276,8 +276,28 @@ def test_a_superseding_sweep_re_measures_once_not_at_every_resume(tmp_path):
     first = sw.parse(doc, "sup")
     sw.run(first, tmp_path, progress=False, allow_dirty=True)
     rid = first.runs[0].run_id()
+    first_steps = (tmp_path / rid / "steps.csv").read_bytes()
     again = sw.parse(dict(doc, supersedes=[rid], supersede_reason="re-measured after a fix"), "sup")
     assert sw.run(again, tmp_path, progress=False, allow_dirty=True).get("ok") == 1
     assert sw.run(again, tmp_path, progress=False, allow_dirty=True) == {"already": 1}
     rows = records.read_rows(tmp_path / "runs.csv")
     assert len(rows) == 2 and rows[1]["supersedes"] == rid and not rows[0]["supersedes"]
+    # each row names its own files: the superseded row's stay as they were (append-only, files too)
+    assert rows[0]["steps_file"] == f"{rid}/steps.csv" and rows[1]["steps_file"] == f"{rid}.1/steps.csv"
+    assert (tmp_path / rows[0]["steps_file"]).read_bytes() == first_steps
+    assert (tmp_path / rows[1]["log_file"]).exists()
+
+
+def test_a_killed_runs_log_is_kept_when_its_folder_is_cleared(tmp_path):
+    """A run killed in flight leaves a folder without a row; the resumed sweep starts it afresh,
+    and keeps its log (the only trace of why it wrote no row) under killed/."""
+    doc = {"defaults": {"device": "cpu", "seq_len": 16, "micro_batch": 1, "warmup": 0, "steps": 1,
+                        "nvml_hz": 5}, "runs": [{"system": "torch-cpu"}]}
+    sweep = sw.parse(doc, "killed")
+    rid = sweep.runs[0].run_id()
+    (tmp_path / rid).mkdir()
+    (tmp_path / rid / "log.txt").write_text("stuck in step 0\n")
+    assert sw.run(sweep, tmp_path, progress=False, allow_dirty=True).get("ok") == 1
+    (kept,) = (tmp_path / "killed").iterdir()
+    assert kept.name.startswith(rid + "-") and kept.read_text() == "stuck in step 0\n"
+    assert "stuck" not in (tmp_path / rid / "log.txt").read_text()

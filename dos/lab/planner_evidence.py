@@ -317,7 +317,7 @@ def planner_repeat_check(df: pd.DataFrame) -> CheckTable:
     runs kept most often (`_choice`: ties broken towards the slowest); `*_vs_best` is that
     choice's fixed-plan median (the fixed run of its stride, or all-CPU) over the batch's best
     fixed median - 1. PASS when both choose the same plan, or both choices are within 5% of their
-    batch's best. No shape repeated on a second machine: one MISS row saying so. Raises on empty
+    batch's best, and both batches are complete (`complete` of planner_check). No shape repeated on a second machine: one MISS row saying so. Raises on empty
     input."""
     require_rows(df, "planner_repeat_check")
     by_shape = {}
@@ -340,7 +340,11 @@ def planner_repeat_check(df: pd.DataFrame) -> CheckTable:
                             f"{tag}_vs_best": fixed / x["best_fixed_s"] - 1})
             same = row["first_choice"] is not None and row["first_choice"] == row["second_choice"]
             near = all(row[f"{t}_vs_best"] <= REPEAT_TOLERANCE for t in ("first", "second"))
-            out.append({**row, "same_choice": same, "target": target, "verdict": PASS if same or near else MISS})
+            # a batch cut short (fewer than 3 runs of a configuration) has no choice to compare yet
+            short = [f"{t} batch incomplete ({x['runs']})" for t, x in (("first", ref), ("second", b))
+                     if not x["complete"]]
+            out.append({**row, "same_choice": same, "complete": not short, "why": "; ".join(short),
+                        "target": target, "verdict": PASS if (same or near) and not short else MISS})
     if not out:
         out.append({"shape": ", ".join(by_shape) or "-", "why": NO_REPEAT, "target": target, "verdict": MISS})
     return _check_table(out, ("shape", "same_choice"))

@@ -104,6 +104,12 @@ def preflight(spec: RunSpec, host_gib: float, host_src: str) -> Optional[str]:
     needs_cuda = spec.device == "cuda" or (spec.device == "auto" and spec.system in CUDA_ONLY)
     if needs_cuda and not _cuda_available():
         return f"no CUDA device on this machine ({spec.system} on device {spec.device!r})"
+    # memory before packages: a run that cannot fit says so (with the GiB it needs, which
+    # checks.capacity_check reports) also on a machine where its package is missing
+    need, how = host_bytes_estimate(spec)
+    if need > host_gib * _GIB:
+        return (f"{MEMORY_REASON}: needs ~{need / _GIB:.1f} GiB ({how}) but {host_gib:.1f} GiB "
+                f"({host_src}) is available; set host_memory_gib / DOS_HOST_MEMORY_GIB if that is wrong")
     module = ("deepspeed" if spec.system.startswith("deepspeed")
               else "torchao" if spec.system == "torchao-cpu-offload" else None)
     if module and importlib.util.find_spec(module) is None:
@@ -111,10 +117,6 @@ def preflight(spec: RunSpec, host_gib: float, host_src: str) -> Optional[str]:
     if spec.system in ("dos", "torch-gpu", "torch-cpu") or spec.system.startswith("deepspeed"):
         if importlib.util.find_spec("transformers") is None:
             return "transformers is not installed"
-    need, how = host_bytes_estimate(spec)
-    if need > host_gib * _GIB:
-        return (f"{MEMORY_REASON}: needs ~{need / _GIB:.1f} GiB ({how}) but {host_gib:.1f} GiB "
-                f"({host_src}) is available; set host_memory_gib / DOS_HOST_MEMORY_GIB if that is wrong")
     return None
 
 

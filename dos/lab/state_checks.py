@@ -148,6 +148,23 @@ def _host_need(error: str) -> float:
     return float(m.group(1)) if m else math.nan
 
 
+def _estimated_need(row) -> tuple:
+    """(GiB, how) the sweep's preflight estimates a row's run needs of host memory (dos.lab.preflight
+    .host_bytes_estimate, from the run's recorded spec); (NaN, "") where the row has no spec."""
+    import json
+
+    from dos.lab.bench.spec import RunSpec
+    from dos.lab.preflight import host_bytes_estimate
+
+    try:
+        cfg = row["config"]
+        spec = RunSpec.from_dict((json.loads(cfg) if isinstance(cfg, str) else cfg)["run"])
+        need, how = host_bytes_estimate(spec)
+    except (KeyError, TypeError, ValueError):
+        return math.nan, ""
+    return need / 2**30, how
+
+
 def capacity_check(df: pd.DataFrame, cases: Optional[dict] = None, steps: int = 20, ours: str = "dos",
                    others: Sequence[str] = ("deepspeed-zero2-offload", "deepspeed-zero2-offload-bf16")) -> CheckTable:
     """Issue 17, criterion 4: for each model of `cases` (model -> moment formats, any one of which
@@ -193,12 +210,16 @@ def capacity_check(df: pd.DataFrame, cases: Optional[dict] = None, steps: int = 
             if not len(m):
                 continue
             r = m.iloc[-1]
+            need, why = (r["peak_host_gib"] if r["status"] == "ok" else _host_need(r["error"])), str(r["error"] or "")
+            if not need == need:  # skipped for another reason (e.g. not installed): the preflight's estimate
+                need, how = _estimated_need(r)
+                why += f"; preflight estimate: {how}" if how else ""
             out.append({"model": model, "system": sysname, "key": r["key"], "state_dtype": r["state_dtype"],
                         "status": r["status"], "steps": r["steps"], "loss_last": r["loss_last"],
                         "iter_s": r["iter_s"], "peak_gpu_gib": r["peak_gpu_gib"], "peak_host_gib": r["peak_host_gib"],
-                        "host_need_gib": _host_need(r["error"]) if r["status"] != "ok" else r["peak_host_gib"],
+                        "host_need_gib": need,
                         "host_bytes_per_param": r["host_bytes_per_param"], "gpu_fraction": None,
-                        "why": str(r["error"] or "")[:160], "run_id": r["run_id"], "graded": False,
+                        "why": why[:200], "run_id": r["run_id"], "graded": False,
                         "target": "reported beside dos (host memory it needs)",
                         "verdict": PASS if r["status"] == "ok" else MISS})
     return _check_table(out, ("model", "system", "state_dtype", "status"))

@@ -33,6 +33,7 @@ everything before the first run.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -267,8 +268,17 @@ def new_batch_id() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
 
 
+def run_folder(run_id: str, rows_before: int) -> str:
+    """The folder of a run's files under the results directory: its run_id, and for a run that has
+    `rows_before` rows already (a re-measurement of a superseded run) `<run_id>.<rows_before>`, so
+    that the rows it supersedes keep the files they name (records are append-only, files too)."""
+    return run_id if rows_before == 0 else f"{run_id}.{rows_before}"
+
+
 def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float, batch_id: str = "",
-             supersedes: Sequence[str] = (), supersede_reason: str = "") -> dict:
+             supersedes: Sequence[str] = (), supersede_reason: str = "", folder: str = "") -> dict:
+    """The runs.csv row of one run; its file columns name files under `folder` (its run_id by
+    default, `run_folder`)."""
     from dos.lab.bench.models import preset
 
     p = preset(spec.model, spec.model_overrides)
@@ -290,10 +300,11 @@ def make_row(spec: RunSpec, sweep: str, res: dict, host_mem_gib: float, batch_id
                 "system": res.get("config"), "sampler": res.get("sampler"),
                 "gpu_mem_total_gib": res.get("gpu_mem_total_gib")},
     )
+    folder = folder or spec.run_id()
     if res.get("status") != "skipped" or files:
-        row["log_file"] = f"{spec.run_id()}/log.txt"
+        row["log_file"] = f"{folder}/log.txt"
     for key, name in files.items():
-        row[key] = f"{spec.run_id()}/{name}"
+        row[key] = f"{folder}/{name}"
     return row
 
 
@@ -329,7 +340,9 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     if not dry_run:
         check_clean(sweep, allow_dirty)
     batch_id = batch_id or new_batch_id()
-    last = {r["run_id"]: r for r in records.read_rows(csv_path)}  # last row wins
+    rows = records.read_rows(csv_path)
+    last = {r["run_id"]: r for r in rows}  # last row wins
+    n_rows = collections.Counter(r["run_id"] for r in rows)
     latest = {rid: r["status"] for rid, r in last.items()}
     # re-measured: run even where a row is there, until a row of this re-measurement is (its last
     # row names it in `supersedes`): a resumed sweep does not measure it yet again
@@ -351,8 +364,10 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     try:
         for spec in todo:
             bar.set_description(spec.label()[:60])
-            run_dir = out_dir / spec.run_id()
-            if run_dir.exists():  # leftovers of a run killed in flight: start it afresh
+            folder = run_folder(spec.run_id(), n_rows[spec.run_id()])
+            run_dir = out_dir / folder
+            if run_dir.exists():  # leftovers of a run killed in flight (no row names them): afresh
+                _keep_killed_log(run_dir)
                 shutil.rmtree(run_dir)
             why = settled_preflight(spec, sweep, host_memory_gib)
             if why:
@@ -361,7 +376,7 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
                 res = run_child(spec, run_dir, sweep.timeout_s)
             if not (why and spec.run_id() in latest):  # skipped again: its row is there already
                 records.append_row(csv_path, make_row(spec, sweep.name, res, total_host, batch_id,
-                                                      sweep.supersedes, sweep.supersede_reason))
+                                                      sweep.supersedes, sweep.supersede_reason, folder))
             counts[res["status"]] = counts.get(res["status"], 0) + 1
             bar.set_postfix_str(_postfix(res))
             bar.update(1)
@@ -373,6 +388,16 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     if pack:
         pack_dir(out_dir, pack)
     return counts
+
+
+def _keep_killed_log(run_dir: Path) -> None:
+    """The log of a run killed in flight (a call's time limit, a lost machine) is the only trace of
+    why it never wrote a row: keep it as `killed/<folder>-<time>.log` before its folder is cleared."""
+    log = run_dir / "log.txt"
+    if log.is_file() and log.stat().st_size:
+        dest = run_dir.parent / "killed" / f"{run_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copyfile(log, dest)
 
 
 def _terminate_as_exit():
