@@ -1,10 +1,12 @@
 """PURE: exploration — plans chosen from the engine's own measurements (docs/DESIGN.md §9.6).
 
-In the first steps of a run (stride="auto") the Planner tries the plans the performance model ranks
-near the best — always all-CPU and a staged plan (stride 2) too — each for a few consecutive steps,
-times each step (the iteration's period, measured by the Planner), and keeps the fastest measured.
-The model only proposes; the clock decides. Cost is bounded: at most `steps_per` steps per
-candidate and `max_steps` in all (fewer candidates when they would not fit).
+In the first steps of a run (stride="auto") the Planner tries plans for a few consecutive steps
+each, times each step (the iteration's period, measured by the Planner), and keeps the fastest
+measured. Two stages: first the `anchors`, all-CPU and stride 2 — the ends of the useful range,
+whose lane times fit the rates in situ (the CPU alone; the CPU, copies and DRAM under DMA) — then
+the plans the model ranks best under those fitted rates (`candidates`, not measured yet). The
+model only proposes; the clock decides. Cost is bounded: at most `steps_per` steps per candidate
+and `max_steps` in all (fewer candidates when they would not fit).
 
 `candidates` ranks the plans a running engine may switch to (same resident subgroups, the slots
 already allocated); `Explorer` holds one exploration's schedule and measurements. No torch, no
@@ -41,11 +43,12 @@ def key(plan: Plan) -> Tuple:
 
 def candidates(plan: Plan, calib: Calibration, *, staging_slots: int, max_threads: int,
                n_best: int = N_BEST, grad_bytes: int = 2, param_bytes: int = 2,
-               head_start_s: float = 0.0) -> List[Tuple[Plan, float]]:
+               head_start_s: float = 0.0, with_plan: bool = True) -> List[Tuple[Plan, float]]:
     """(plan, predicted update phase) to try, fastest predicted first: the `n_best` best by the
-    model, `plan` itself, all-CPU and stride 2 (a staged plan; where slots are allocated). All keep
-    `plan`'s resident subgroups and use the `staging_slots` allocated (a running engine can move
-    subgroups only between the CPU and staged lanes) at the current or the most threads."""
+    model, `plan` itself (unless not `with_plan`), all-CPU and stride 2 (a staged plan; where slots
+    are allocated). All keep `plan`'s resident subgroups and use the `staging_slots` allocated (a
+    running engine can move subgroups only between the CPU and staged lanes) at the current or the
+    most threads."""
     numels, r = plan.numels, len(plan.resident)
     kw = dict(grad_bytes=grad_bytes, param_bytes=param_bytes, head_start_s=head_start_s)
 
@@ -76,7 +79,7 @@ def candidates(plan: Plan, calib: Calibration, *, staging_slots: int, max_thread
                 pool[alike(p)] = (p, s)
     ranked = sorted(pool.values(), key=lambda e: (e[1], -e[0].cpu_threads))
     chosen: Dict[Tuple, Tuple[Plan, float]] = {alike(p): (p, s) for p, s in ranked[:n_best]}
-    must = [plan]
+    must = [plan] if with_plan else []
     if r < len(numels):
         must.append(make(Fraction(0), max_threads))
         if staging_slots > 0 and calib.has_gpu:
@@ -84,6 +87,28 @@ def candidates(plan: Plan, calib: Calibration, *, staging_slots: int, max_thread
     for p in must:
         chosen.setdefault(alike(p), timed(p))
     return sorted(chosen.values(), key=lambda e: (e[1], -e[0].cpu_threads))
+
+
+def anchors(plan: Plan, calib: Calibration, **kw) -> List[Tuple[Plan, float]]:
+    """An exploration's first stage: all-CPU and stride 2 (where slots are allocated; `candidates`'
+    arguments), fastest predicted first. Measured first because the model's ranking is only as
+    good as its rates: the offline profile's drift between machine starts (docs/DESIGN.md §9.2),
+    and the plans it ranks best bunch where it errs (planner-3b-repeat: all-CPU and staged shares
+    of 6-7%, all within 1.5% of each other by the model, 13-18% slower than stride 2 measured).
+    Their lane times fit the rates the second stage ranks with. Stride 2 runs first: all-CPU,
+    measured second, runs one step only where it is ruled out (`DROP_ABOVE`). With nothing to
+    stage: all-CPU alone."""
+    ends = candidates(plan, calib, n_best=0, with_plan=False, **kw)
+    return sorted(ends, key=lambda e: e[0].share("staged") == 0)
+
+
+def refined(ex: "Explorer", plan: Plan, calib: Calibration, n_best: int = N_BEST,
+            **kw) -> List[Tuple[Plan, float]]:
+    """An exploration's second stage: the `n_best` plans the model ranks best under `calib` (the
+    rates fitted in situ on the anchors' steps) that `ex` has not tried, fastest predicted first."""
+    tried = {key(p) for p, _ in ex.candidates}
+    ranked = candidates(plan, calib, n_best=n_best + len(tried), with_plan=False, **kw)
+    return [(p, s) for p, s in ranked if key(p) not in tried][:n_best]
 
 
 @dataclass
@@ -100,12 +125,27 @@ class Explorer:
     steps: int = 0  # steps measured under a candidate of this exploration
     spent: List[float] = field(default_factory=list)  # every measured step, in order
     _issued: int = 0  # schedule positions handed out
+    stage: int = 1  # 1 + the number of `extend` calls
 
     def __post_init__(self):
         keep = max(1, self.max_steps // max(1, self.steps_per))
         self.candidates = list(self.candidates)[:keep]
         self._by_key = {key(p): p for p, _ in self.candidates}
+        self._stage = {key(p): 1 for p, _ in self.candidates}
         self._order = [p for p, _ in self.candidates for _ in range(self.steps_per)]
+
+    def extend(self, more: List[Tuple[Plan, float]]) -> int:
+        """Schedule further candidates (a later stage) after those scheduled, as many as
+        `max_steps` still holds, each `steps_per` steps; plans already candidates are skipped.
+        Returns how many were added."""
+        room = (self.max_steps - len(self._order)) // max(1, self.steps_per)
+        new = [(p, s) for p, s in more if key(p) not in self._by_key][:max(0, room)]
+        self.stage += 1
+        for p, s in new:
+            self.candidates.append((p, s))
+            self._by_key[key(p)], self._stage[key(p)] = p, self.stage
+            self._order += [p] * self.steps_per
+        return len(new)
 
     def next_plan(self) -> Optional[Plan]:
         """The plan for the next step of the schedule (skipping the further steps of a candidate
@@ -177,7 +217,7 @@ class Explorer:
                 "kept": None if kept is None else _label(kept),
                 "candidates": [dict(_label(p), predicted_s=round(pred, 6),
                                     measured_s=None if self.measured(p) is None else round(self.measured(p), 6),
-                                    steps=len(self.times.get(key(p), ())))
+                                    steps=len(self.times.get(key(p), ())), stage=self._stage[key(p)])
                                for p, pred in self.candidates]}
 
 

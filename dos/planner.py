@@ -213,15 +213,16 @@ class Planner:
             elif step < 2:
                 return  # the first step runs the model's choice and warms up
             ex = self.explorer = explore.Explorer(
-                explore.candidates(self.plan, self.calibration, staging_slots=len(self._dev.slots),
-                                   max_threads=self.max_threads, head_start_s=self.head_start_s,
-                                   **self._bytes), start_step=step,
+                explore.anchors(self.plan, self.calibration, **self._explore_kw()), start_step=step,
                 steps_per=explore.STEPS_PER, max_steps=explore.MAX_STEPS)
             if len(ex.candidates) < 2:
                 self.explorer = None
                 self._explored, self._explored_calib, self._explored_step = True, None, step
                 return
         nxt = ex.next_plan()
+        if nxt is None and ex.stage == 1:  # the anchors ran: rank the rest by the rates fitted on them
+            ex.extend(explore.refined(ex, self.plan, self.calibration, **self._explore_kw()))
+            nxt = ex.next_plan()
         if nxt is not None:
             if explore.key(nxt) != explore.key(self.plan):
                 self.set_plan(nxt.replace(source="explore"), step)
@@ -238,6 +239,12 @@ class Planner:
         self.explorations.append(dict(ex.to_record(), end_step=step))
         self.explorer = None
         self._explored, self._explored_calib, self._explored_step = True, None, step
+
+    def _explore_kw(self) -> dict:
+        """What ranks an exploration's candidates besides the plan and rates: the slots allocated,
+        the threads, the head start and the bytes moved."""
+        return dict(staging_slots=len(self._dev.slots), max_threads=self.max_threads,
+                    head_start_s=self.head_start_s, **self._bytes)
 
     # -- decisions -----------------------------------------------------------------------------
     @property

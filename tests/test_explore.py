@@ -63,6 +63,48 @@ def test_candidates_rank_by_the_model_and_always_try_all_cpu_and_a_staged_plan()
                                                               staging_slots=0, max_threads=8)] == [0.0]
 
 
+def test_anchors_are_stride_2_then_all_cpu_and_the_second_stage_ranks_the_rest_by_the_rates_given():
+    """Stage 1: the two ends of the useful range, the staged one first (all-CPU, second, can be
+    ruled out after one step). Stage 2 (`refined`): the model's best under the rates fitted on
+    them, none tried already, at most n_best; a slower CPU moves the ranking towards staging."""
+    cur = _plan(Fraction(1, 3))
+    kw = dict(staging_slots=3, max_threads=16)
+    anch = explore.anchors(cur, DESIGN_H200, **kw)
+    assert [p.share("staged") for p, _ in anch] == [0.5, 0.0]
+    assert all(p.cpu_threads == 16 for p, _ in anch)
+    ex = explore.Explorer(anch, steps_per=2, max_steps=12)
+    fast = explore.refined(ex, cur, DESIGN_H200, **kw)
+    slow_cpu = dataclasses.replace(DESIGN_H200, cpu_rate=tuple(r / 4 for r in DESIGN_H200.cpu_rate),
+                                   cpu_rate_dma=tuple(r / 4 for r in DESIGN_H200.cpu_rate_dma))
+    slow = explore.refined(ex, cur, slow_cpu, **kw)
+    for got in (fast, slow):
+        assert 1 <= len(got) <= explore.N_BEST
+        assert not {explore.key(p) for p, _ in got} & {explore.key(p) for p, _ in anch}
+        assert [s for _, s in got] == sorted(s for _, s in got)
+    mean = lambda got: sum(p.share("staged") for p, _ in got) / len(got)  # noqa: E731
+    assert mean(slow) > mean(fast)
+    assert explore.refined(ex, cur, DESIGN_H200, n_best=1, **kw) == fast[:1]
+    # nothing to stage: all-CPU alone (no exploration)
+    assert [p.share("staged") for p, _ in explore.anchors(_plan(0, slots=0), DESIGN_H200,
+                                                          staging_slots=0, max_threads=8)] == [0.0]
+
+
+def test_a_later_stage_is_scheduled_within_the_same_budget():
+    anch = [(_plan(Fraction(1, 2)), 1.0), (_plan(Fraction(0)), 1.1)]
+    ex = explore.Explorer(anch, steps_per=2, max_steps=7)
+    more = [(_plan(s), 0.9) for s in (Fraction(1, 2), Fraction(1, 3), Fraction(1, 4), Fraction(1, 5))]
+    assert ex.extend(more) == 1  # 1/2 is a candidate already; 7 - 4 steps hold one more
+    assert ex.length == 6 and ex.stage == 2
+    runs = []
+    while (p := ex.next_plan()) is not None:
+        runs.append(p.share("staged"))
+        ex.observe(p, {0.5: 1.0, 0.0: 1.5, 1 / 3: 0.8}[p.share("staged")])
+    assert runs == [0.5, 0.5, 0.0, 1 / 3, 1 / 3]  # all-CPU ruled out after its first step
+    assert ex.finished and ex.best()[0].share("staged") == pytest.approx(1 / 3)
+    assert [c["stage"] for c in ex.to_record()["candidates"]] == [1, 1, 2]
+    assert ex.extend(more) == 0 and ex.stage == 3  # no room left
+
+
 def test_explorer_keeps_the_fastest_measured_within_its_budget():
     cands = [(_plan(s), 0.1 * i) for i, s in enumerate([Fraction(1, 3), Fraction(0), Fraction(1, 2),
                                                         Fraction(1), Fraction(1, 4), Fraction(2, 3),
@@ -144,6 +186,31 @@ def test_exploration_keeps_the_fastest_plan_bounded_and_exact(exploring, target)
         sum((c["measured_s"] - kept_s) * c["steps"] for c in ex["candidates"]), rel=1e-3, abs=1e-3)
     assert rec["explore_s"] <= explore.MAX_STEPS * 1.0  # at most 1 s a step on this fake machine
     assert opt.replans[-1]["plan"]["source"] in ("explored", "explore")
+
+
+def test_the_second_stage_is_ranked_by_the_rates_fitted_on_the_anchors(exploring, monkeypatch):
+    """In the engine: stride 2 and all-CPU run first; the second stage's candidates are ranked by
+    the rates as refined on their steps (not the offline profile), are all measured, and the
+    exploration stays within MAX_STEPS."""
+    seen = []
+    real = explore.refined
+
+    def spy(ex, plan, calib, **kw):
+        seen.append((calib, [c for c, _ in ex.candidates]))
+        return real(ex, plan, calib, **kw)
+
+    monkeypatch.setattr(explore, "refined", spy)
+    a, opt, b, ref = explored_pair(near(1 / 3))
+    train("transformer", a, opt, 18)
+    train("transformer", b, ref, 18)
+    assert max_diff(a, b) <= 1e-5
+    (calib, tried), = seen
+    assert calib is not DESIGN_H200 and calib.cpu_rate != DESIGN_H200.cpu_rate  # fitted in situ
+    assert [round(p.share("staged"), 2) for p in tried] == [0.5, 0.0]
+    ex = opt.planner.explorations[0]
+    assert [c["stage"] for c in ex["candidates"]][:2] == [1, 1] and ex["candidates"][2]["stage"] == 2
+    assert all(c["measured_s"] is not None for c in ex["candidates"])
+    assert ex["steps"] <= explore.MAX_STEPS
 
 
 def test_exploration_keeps_the_resident_share(exploring):
