@@ -62,3 +62,33 @@ def test_schedule_ab_check_passes_unless_dynamic_is_slower_beyond_the_noise():
     assert "15 threads" in " ".join(alone["config"])
     with pytest.raises(ValueError):
         checks.schedule_ab_check(pd.DataFrame())
+
+
+def test_the_dynamic_schedule_was_not_slower_on_the_h200():
+    """kernel-schedule-ab-3b, its all-CPU half (batch 20261202T035128Z-bd176992): recorded rows."""
+    df = pd.DataFrame(records.read_rows(ROOT / "experiments/results/kernel-schedule-ab-3b/runs.csv"))
+    chk = checks.schedule_ab_check(df.assign(cpu_threads=""))
+    assert chk.verdict == checks.PASS and (chk["diff_pct"] < 0).all()
+
+
+def _overlap(step, overlap):
+    rows = [dict(status="ok", key="dos-interleaved", placement="interleaved", stride="auto", batch_id="B",
+                 gpu_uuid="GPU-1", boot_id="b", step_s=t, iter_s=t) for t in step]
+    rows += [dict(status="ok", key="dos-interleaved-overlap", placement="interleaved", stride="auto",
+                  batch_id="B", gpu_uuid="GPU-1", boot_id="b", step_s=t, iter_s=t) for t in overlap]
+    return pd.DataFrame(rows)
+
+
+def test_overlap_ab_check_passes_only_when_overlap_is_faster_beyond_the_noise():
+    ok = checks.overlap_ab_check(_overlap([0.90, 0.93, 0.95], [0.80, 0.82, 0.81]))
+    assert ok.verdict == checks.PASS and (ok["diff_pct"] < 0).all()
+    inside = checks.overlap_ab_check(_overlap([0.90, 0.93, 0.99], [0.88, 0.86, 0.90]))
+    assert inside.verdict == checks.MISS  # faster by 0.03, inside the 0.09 range: not shown
+    slower = checks.overlap_ab_check(_overlap([0.80, 0.81], [0.90, 0.91]))
+    assert slower.verdict == checks.MISS and slower["diff_pct"].iloc[0] > 0
+    assert checks.overlap_ab_check(_overlap([0.9], [0.5, 0.5])).verdict == checks.MISS  # one run
+    raw = _overlap([0.90, 0.93], [0.80, 0.81]).drop(columns="key").assign(
+        config=['{"run": {}}'] * 2 + ['{"run": {"overlap_backward": true}}'] * 2)  # runs.csv as read
+    assert checks.overlap_ab_check(raw).verdict == checks.PASS
+    with pytest.raises(ValueError):
+        checks.overlap_ab_check(pd.DataFrame())

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from dos.lab.results import NO_OFFLOAD, baseline_key, headline_ratios, require_rows, stride_panels
+from dos.lab.results import NO_OFFLOAD, _run_field, baseline_key, headline_ratios, require_rows, stride_panels
 from dos.lab.verdicts import MISS, PASS, CheckTable, _check_table  # noqa: F401  (checks.CheckTable: API)
 
 
@@ -290,6 +290,25 @@ def schedule_ab_check(df: pd.DataFrame, metrics: Sequence[str] = ("step_s", "ite
                 target="dynamic median <= static median + the larger within-variant range (>= 2 runs each)",
                 verdict=PASS if r["enough"] and r["diff"] <= r["noise"] else MISS)
            for r in _ab_rows(df, "schedule", ("static", "dynamic"), metrics)]
+    return _check_table([_public(r) for r in out], ["batch_id", "config", "metric"])
+
+
+def overlap_ab_check(df: pd.DataFrame, metrics: Sequence[str] = ("iter_s", "step_s")) -> CheckTable:
+    """dos's CPU lane started during backward (`overlap_backward`) against started in `step()`
+    (`overlap-ab-3b`), per machine boot and configuration (placement, stride): both medians and
+    their difference against the run-to-run noise (the larger of the two variants' ranges). PASS
+    when overlapping is faster by more than that noise (>= 2 runs each): the evidence the headline
+    sweeps would need to run dos overlapped. Raises on empty input."""
+    require_rows(df, "overlap_ab_check")
+    df = df[df["status"].eq("ok")].copy() if "status" in df else df.copy()
+    on = (df["key"].astype(str).str.endswith("-overlap") if "key" in df  # rows from results.rows
+          else df["config"].map(lambda c: _run_field(c, "overlap_backward") is True))  # raw runs.csv rows
+    df["overlap"] = on.map({True: "overlap", False: "step"})
+    df["config"] = df["placement"].astype(str) + df["stride"].astype(str).map(
+        lambda k: "" if k in ("", "nan", "None") else f" k={k}")
+    out = [dict(r, target="overlap median < step median - the larger within-variant range (>= 2 runs each)",
+                verdict=PASS if r["enough"] and -r["diff"] > r["noise"] else MISS)
+           for r in _ab_rows(df, "overlap", ("step", "overlap"), metrics)]
     return _check_table([_public(r) for r in out], ["batch_id", "config", "metric"])
 
 
