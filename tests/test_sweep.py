@@ -59,6 +59,8 @@ def test_smoke_sweep_yields_valid_rows(tmp_path):
     lanes = json.loads((out / by[("dos", "interleaved")]["lanes_file"]).read_text())
     assert len(lanes) == 3 and all(x["events"] and x["step_phase_start_s"] > 0 for x in lanes)
     assert {e["lane"] for x in lanes for e in x["events"]} >= {"cpu"}
+    pages = json.loads((out / by[("dos", "cpu")]["log_file"]).with_name("result.json").read_text())["host_pages"]
+    assert set(pages) == {"after_init", "after_steps"} and pages["after_steps"]["rss_gib"] > 0
     assert (out / "env.json").exists()
     with tarfile.open(pack) as tar:
         names = tar.getnames()

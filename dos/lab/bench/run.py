@@ -185,6 +185,7 @@ class _Run:
             self.system = system = systems.build(spec, model, device)
         res.update(system.describe())
         res["init_s"] = sum(e - s for _, _, s, e in clock.markers)  # only init phases so far
+        res["host_pages"] = {"after_init": host_pages()}
         data, res["data_record"] = models.batches(spec.data, spec.warmup + spec.steps, spec.micro_batch,
                                                   spec.seq_len, p.vocab, spec.seed + _rank())
 
@@ -195,6 +196,7 @@ class _Run:
         self.times = timing.run_steps(system, data, spec.warmup, spec.steps, device, clock, after_step)
         res.update(timing.summarize(self.times, spec.micro_batch * spec.seq_len * spec.gpus))
         res.update(system.describe())  # plans may be refined online
+        res.setdefault("host_pages", {})["after_steps"] = host_pages()
 
     def _finish(self) -> None:
         """Stop the sampler, take the peaks, write the artifacts: each step on its own, so that a
@@ -218,6 +220,20 @@ class _Run:
             summary.update(self.sampler.summary(host_since=train_start))
             self.sampler.write(self.run_dir / "samples.csv")
             self.res["files"]["samples_file"] = "samples.csv"
+
+
+def host_pages() -> dict:
+    """This process's resident host memory and how much of it is in transparent huge pages, GiB
+    (/proc/self/smaps_rollup; {} where absent). The host arena asks for huge pages
+    (dos.buffers.HostArena); the CPU lane streams through all of it every step, so a run that got
+    fewer of them may update slower — recorded per run to tell that apart from other noise."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    kib = {k.strip(): int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in text.splitlines()[1:] if ":" in ln)}
+    return {name: round(kib.get(field, 0) / 2**20, 3) for name, field in
+            (("rss_gib", "Rss"), ("anon_huge_gib", "AnonHugePages"), ("locked_gib", "Locked"))}
 
 
 def _write_artifacts(run_dir: Path, clock, times, lanes, res) -> None:
