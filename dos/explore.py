@@ -90,11 +90,11 @@ def candidates(plan: Plan, calib: Calibration, *, staging_slots: int, max_thread
 
 
 def anchors(plan: Plan, calib: Calibration, **kw) -> List[Tuple[Plan, float]]:
-    """An exploration's first stage: all-CPU and stride 2 (where slots are allocated; `candidates`'
-    arguments), fastest predicted first. Measured first because the model's ranking is only as
+    """An exploration's first stage: stride 2 (where slots are allocated; `candidates`' arguments)
+    and all-CPU, in that order. Measured first because the model's ranking is only as
     good as its rates: the offline profile's drift between machine starts (docs/DESIGN.md §9.2),
     and the plans it ranks best bunch where it errs (planner-3b-repeat: all-CPU and staged shares
-    of 6-7%, all within 1.5% of each other by the model, 13-18% slower than stride 2 measured).
+    of 6-7%, all within 1.5% of each other by the model, 5-18% slower than stride 2 measured).
     Their lane times fit the rates the second stage ranks with. Stride 2 runs first: all-CPU,
     measured second, runs one step only where it is ruled out (`DROP_ABOVE`). With nothing to
     stage: all-CPU alone."""

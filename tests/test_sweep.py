@@ -61,6 +61,8 @@ def test_smoke_sweep_yields_valid_rows(tmp_path):
     assert {e["lane"] for x in lanes for e in x["events"]} >= {"cpu"}
     pages = json.loads((out / by[("dos", "cpu")]["log_file"]).with_name("result.json").read_text())["host_pages"]
     assert set(pages) == {"after_init", "after_steps"} and pages["after_steps"]["rss_gib"] > 0
+    log = (out / by[("dos", "cpu")]["log_file"]).read_text()  # where a run killed in flight was
+    assert "] init_system" in log and "] step 0" in log
     assert (out / "env.json").exists()
     with tarfile.open(pack) as tar:
         names = tar.getnames()

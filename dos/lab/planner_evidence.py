@@ -317,8 +317,8 @@ def planner_repeat_check(df: pd.DataFrame) -> CheckTable:
     runs kept most often (`_choice`: ties broken towards the slowest); `*_vs_best` is that
     choice's fixed-plan median (the fixed run of its stride, or all-CPU) over the batch's best
     fixed median - 1. PASS when both choose the same plan, or both choices are within 5% of their
-    batch's best, and both batches are complete (`complete` of planner_check). No shape repeated on a second machine: one MISS row saying so. Raises on empty
-    input."""
+    batch's best, and both batches are complete (`complete` of planner_check). No shape repeated
+    on a second machine: one MISS row saying so. Raises on empty input."""
     require_rows(df, "planner_repeat_check")
     by_shape = {}
     for b in _batches(df):

@@ -7,7 +7,9 @@ sampler uses too. Every step is kept (phase markers); the row gets medians over 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
@@ -16,11 +18,14 @@ import torch
 
 
 class Clock:
-    """Seconds since the run started, on `time.perf_counter()`; markers are (phase, step, start, end)."""
+    """Seconds since the run started, on `time.perf_counter()`; markers are (phase, step, start, end).
+    Started by a sweep (DOS_SWEEP_PID), it also prints a line as each setup phase and each step
+    begins (stderr, the run's log.txt): a run killed in flight then shows where it was."""
 
     def __init__(self):
         self.t0 = time.perf_counter()
         self.markers: list = []
+        self.progress = bool(os.environ.get("DOS_SWEEP_PID"))
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -28,6 +33,8 @@ class Clock:
     @contextlib.contextmanager
     def phase(self, name: str, step: Optional[int] = None):
         start = self.now()
+        if self.progress and (step is None or name == "fwd"):
+            print(f"[{start:8.2f} s] {name if step is None else f'step {step}'}", file=sys.stderr, flush=True)
         try:
             yield
         finally:
