@@ -30,11 +30,14 @@ class Clock:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    def say(self, what: str, at: float) -> None:
+        if self.progress:
+            print(f"[{at:8.2f} s] {what}", file=sys.stderr, flush=True)
+
     @contextlib.contextmanager
     def phase(self, name: str, step: Optional[int] = None):
         start = self.now()
-        if self.progress and (step is None or name == "fwd"):
-            print(f"[{start:8.2f} s] {name if step is None else f'step {step}'}", file=sys.stderr, flush=True)
+        self.say(name, start)
         try:
             yield
         finally:
@@ -67,6 +70,7 @@ def run_steps(system, batches: List[torch.Tensor], warmup: int, steps: int, devi
     for i in range(warmup + steps):
         batch = batches[i % len(batches)].to(device, non_blocking=True)
         sync()
+        clock.say(f"step {i}", clock.now())  # outside the timed span
         t0 = clock.now()
         loss = system.forward(batch)
         sync()
