@@ -232,8 +232,12 @@ class Planner:
             return  # the last measurements are still on their way: keep the plan
         if ex.times:  # (late: the fastest of those measured; none: keep the plan)
             best, _ = ex.best()
-            if explore.key(best) != explore.key(self.plan):
-                self.set_plan(best.replace(source="explored"), step)
+            # kept (logged also when it is the plan running): with its prediction under the profile
+            # as loaded, which the run's record calls offline (a second-stage candidate was ranked
+            # under rates refitted in situ)
+            offline = perfmodel.predict(best, self._searched_from, head_start_s=self.head_start_s,
+                                        **self._bytes).total_s
+            self.set_plan(best.replace(source="explored", predicted_step_s=offline), step)
         self.explore_steps += ex.steps
         self.explore_s += ex.cost_s()
         self.explorations.append(dict(ex.to_record(), end_step=step))

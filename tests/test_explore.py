@@ -10,7 +10,7 @@ import torch
 import dos
 import dos.planner
 from dos import explore
-from dos.perfmodel import DESIGN_H200, build_plan
+from dos.perfmodel import DESIGN_H200, build_plan, predict
 from tests.helpers import make_model, max_diff, pair, train
 
 
@@ -211,6 +211,9 @@ def test_the_second_stage_is_ranked_by_the_rates_fitted_on_the_anchors(exploring
     assert [c["stage"] for c in ex["candidates"]][:2] == [1, 1] and ex["candidates"][2]["stage"] == 2
     assert all(c["measured_s"] is not None for c in ex["candidates"])
     assert ex["steps"] <= explore.MAX_STEPS
+    # the kept plan's predicted_step_s is the offline profile's (the record's "offline" column)
+    assert opt.plan.predicted_step_s == pytest.approx(
+        predict(opt.plan, DESIGN_H200, **opt.planner._bytes).total_s)
 
 
 def test_exploration_keeps_the_resident_share(exploring):
