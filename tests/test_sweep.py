@@ -305,3 +305,21 @@ def test_a_killed_runs_log_is_kept_when_its_folder_is_cleared(tmp_path):
     (kept,) = (tmp_path / "killed").iterdir()
     assert kept.name.startswith(rid + "-") and kept.read_text() == "stuck in step 0\n"
     assert "stuck" not in (tmp_path / rid / "log.txt").read_text()
+
+
+def test_a_sweep_with_a_deadline_starts_no_run_it_expects_to_end_later(tmp_path):
+    """--stop-by-s (a device call's time left): a run whose configuration took longer than what
+    is left, by the rows recorded, is deferred to the next call instead of being killed in flight;
+    a configuration never recorded runs while a second is left (nothing to expect)."""
+    doc = {"defaults": {"device": "cpu", "seq_len": 16, "micro_batch": 1, "warmup": 0, "steps": 1,
+                        "nvml_hz": 5}, "runs": [{"system": "torch-cpu", "seed": 0}]}
+    first = sw.parse(doc, "deadline")
+    assert sw.run(first, tmp_path, progress=False, allow_dirty=True, stop_by_s=0.5) == {"already": 0, "deferred": 1}
+    assert sw.run(first, tmp_path, progress=False, allow_dirty=True, stop_by_s=600).get("ok") == 1
+    rows = records.read_rows(tmp_path / "runs.csv")
+    more = sw.parse(dict(doc, runs=[{"system": "torch-cpu", "seed": [0, 1, 2]}]), "deadline")
+    assert sw.expected_s(more.runs[1], rows) == pytest.approx(float(rows[0]["wall_s"]) + sw.RUN_OVERHEAD_S)
+    counts = sw.run(more, tmp_path, progress=False, allow_dirty=True, stop_by_s=1.0)
+    assert counts == {"already": 1, "deferred": 2}
+    assert len(records.read_rows(tmp_path / "runs.csv")) == 1
+    assert sw.run(more, tmp_path, progress=False, allow_dirty=True, stop_by_s=600).get("ok") == 2

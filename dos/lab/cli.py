@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-id", help="continue this batch (a resume on the same machine, e.g. a sweep longer "
                                       "than one device call; its rows' gpu_uuid and boot_id show whether it was); "
                                       "default: a new batch per invocation")
+    s.add_argument("--stop-by-s", type=float, metavar="SECONDS",
+                   help="start no run expected to end later than this many seconds from now (a device "
+                        "call's time left); the sweep resumes from there next time")
     for q in (b, s):
         q.add_argument("--host-memory-gib", type=float, help="host memory the preflight may plan for")
         q.add_argument("--pack", metavar="PATH.tar.gz", help="pack the results dir into one tar.gz (refreshed after every run)")
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
     try:
         counts = sw.run(sweep, out, pack=args.pack, dry_run=getattr(args, "dry_run", False),
                         host_memory_gib=args.host_memory_gib, progress=progress,
-                        allow_dirty=getattr(args, "allow_dirty", False), batch_id=batch_id)
+                        allow_dirty=getattr(args, "allow_dirty", False), batch_id=batch_id,
+                        stop_by_s=getattr(args, "stop_by_s", None))
     except sw.DirtyTree as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -332,9 +332,13 @@ def check_clean(sweep: Sweep, allow_dirty: bool = False) -> None:
 
 def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False,
         host_memory_gib: Optional[float] = None, progress: bool = True, allow_dirty: bool = False,
-        batch_id: Optional[str] = None) -> dict:
+        batch_id: Optional[str] = None, stop_by_s: Optional[float] = None) -> dict:
     """Run every missing run of `sweep` into `out_dir`, and again those it supersedes; return
-    counts by status. Every row gets this call's `batch_id` (a new one by default)."""
+    counts by status. Every row gets this call's `batch_id` (a new one by default). With
+    `stop_by_s` (seconds from now: a device call's time left), a run expected to end later
+    (`expected_s`) is not started: the sweep stops there (count "deferred") and resumes next time,
+    instead of losing the run in flight to the call's time limit."""
+    deadline = None if stop_by_s is None else time.monotonic() + stop_by_s
     out_dir = Path(out_dir)
     csv_path = out_dir / "runs.csv"
     if not dry_run:
@@ -362,7 +366,13 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     bar = _bar(len(sweep.runs), counts["already"], progress)
     restore = _terminate_as_exit()
     try:
-        for spec in todo:
+        for k, spec in enumerate(todo):
+            need = expected_s(spec, records.read_rows(csv_path)) if deadline is not None else 0.0
+            if deadline is not None and time.monotonic() + max(need, 1.0) > deadline:
+                counts["deferred"] = len(todo) - k
+                bar.write(f"stopping: the next run ({spec.label()}) takes ~{need:.0f} s, "
+                          f"{max(0.0, deadline - time.monotonic()):.0f} s are left; {len(todo) - k} deferred")
+                break
             bar.set_description(spec.label()[:60])
             folder = run_folder(spec.run_id(), n_rows[spec.run_id()])
             run_dir = out_dir / folder
@@ -388,6 +398,29 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     if pack:
         pack_dir(out_dir, pack)
     return counts
+
+
+RUN_OVERHEAD_S = 15.0  # a run's process start, imports before its clock, teardown, the preflight
+
+
+def expected_s(spec: RunSpec, rows: Sequence[dict]) -> float:
+    """Seconds `spec` is expected to take, from the rows already recorded: the median wall time of
+    the ok rows of the same configuration (every setting but the repeat), else of every ok row of
+    the same system and model, plus RUN_OVERHEAD_S; 0 where nothing alike was recorded."""
+    import statistics
+
+    def same(r: dict, keys) -> bool:
+        run = (json.loads(r["config"]).get("run") or {}) if r.get("config", "").startswith("{") else {}
+        mine = spec.to_dict()
+        return all(run.get(k) == mine.get(k) for k in keys)
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("wall_s")]
+    exact = [k for k in spec.to_dict() if k != "repeat"]
+    for keys in (exact, ("system", "model", "model_overrides", "device")):
+        walls = [float(r["wall_s"]) for r in ok if same(r, keys)]
+        if walls:
+            return statistics.median(walls) + RUN_OVERHEAD_S
+    return 0.0
 
 
 def _keep_killed_log(run_dir: Path) -> None:
@@ -425,6 +458,10 @@ class _NoBar:
         pass
 
     set_postfix_str = update = set_description
+
+    @staticmethod
+    def write(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
 
     def close(self):
         pass

@@ -50,8 +50,10 @@ if [ $# -gt 0 ]; then
     file=${arg%%:*}; where=""
     [ "$arg" != "$file" ] && for w in $(echo "${arg#*:}" | tr '&' ' '); do where="$where --where $w"; done
     name=$(basename $file .yaml)
+    # --stop-by-s: no run is started that the recorded rows say would not end in time (it would be
+    # killed in flight, its minute lost); `timeout` stays the backstop
     timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where $out --no-progress \
-      ${BATCH_ID:+--batch-id $BATCH_ID} --pack $OUT/$name.tar.gz >> $OUT/sweeps.log 2>&1
+      --stop-by-s $(( $(left) - 35 )) ${BATCH_ID:+--batch-id $BATCH_ID} --pack $OUT/$name.tar.gz >> $OUT/sweeps.log 2>&1
     echo "sweep $file rc=$?"; tail -3 $OUT/sweeps.log
   done
 fi
