@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 import time
 
 import psutil
@@ -323,3 +324,14 @@ def test_a_sweep_with_a_deadline_starts_no_run_it_expects_to_end_later(tmp_path)
     assert counts == {"already": 1, "deferred": 2}
     assert len(records.read_rows(tmp_path / "runs.csv")) == 1
     assert sw.run(more, tmp_path, progress=False, allow_dirty=True, stop_by_s=600).get("ok") == 2
+
+
+def test_every_sweep_file_loads_and_is_named_after_itself():
+    """A sweep file is read on a GPU machine whose time is scarce: a typo found there costs a
+    device call. Every file here parses, expands to runs, and its name is its file's stem (the
+    results directory and the checks go by the name)."""
+    files = sorted((Path(ROOT) / "experiments" / "sweeps").glob("*.yaml"))
+    assert len(files) > 20
+    for f in files:
+        s = sw.load(f)
+        assert s.name == f.stem and s.runs, f.name
