@@ -5,8 +5,8 @@ import signal
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 import time
+from pathlib import Path
 
 import psutil
 import pytest
