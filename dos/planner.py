@@ -286,30 +286,9 @@ class Planner:
         where it is "auto", threads); the new resident subgroups move to the GPU and their host
         blocks are released. Runs once, outside the steady-state loop (it synchronizes)."""
         free = free_device_bytes(self._dev)
-        if free is None:
-            return
-        cfg = self.config
-        if self.calibration is None:
-            plan = perfmodel.fill_resident(self.plan, free, staging_slots=len(self._dev.slots),
-                                           subgroup_numel=self.layout.subgroup_numel,
-                                           grad_bytes=self._bytes["grad_bytes"])
-            if plan is None:
-                return
-            source = "memory"
-        else:
-            if cfg.placement == "static":
-                staged_shares = [Fraction(0)]
-            else:
-                staged_shares = None if cfg.stride == "auto" else [Fraction(1, cfg.stride)]
-            try:
-                plan, _ = perfmodel.choose(
-                    self.plan.numels, self.calibration, free_gpu_bytes=free, max_threads=self.max_threads,
-                    staging_slots=len(self._dev.slots), subgroup_numel=self.layout.subgroup_numel,
-                    placement=cfg.placement, staged_shares=staged_shares, state_dtype=cfg.state_dtype,
-                    **self._bytes)
-            except ValueError:
-                return  # nothing of that shape fits: keep the plan
-            source = "perfmodel"
+        plan = None if free is None else self._sized_plan(free)
+        if plan is None:
+            return  # nothing of that shape fits (or no peak to size by): keep the plan
         self._sync.synchronize()  # no copy still reads a slot or a host block given up below
         self._lanes.keep_slots(plan.staging_slots if plan.staged_order else 0)
         self.materialize(plan.resident)
@@ -317,7 +296,31 @@ class Planner:
             if s not in self._dev.resident:
                 self._dev.add_resident(s, self._host.state[s], self.layout.subgroups[s].numel)
                 self._host.release(s)
-        self.set_plan(plan.replace(source=source), step, free_gpu_bytes=free)
+        self.set_plan(plan, step, free_gpu_bytes=free)
+
+    def _sized_plan(self, free: float) -> Optional[Plan]:
+        """The plan for `free` GPU bytes, with its source: the performance model's choice under
+        the config's placement and stride ("perfmodel"), or without a calibration as many resident
+        subgroups as fit ("memory", perfmodel.fill_resident); None when nothing of that shape fits."""
+        cfg = self.config
+        if self.calibration is None:
+            plan = perfmodel.fill_resident(self.plan, free, staging_slots=len(self._dev.slots),
+                                           subgroup_numel=self.layout.subgroup_numel,
+                                           grad_bytes=self._bytes["grad_bytes"])
+            return None if plan is None else plan.replace(source="memory")
+        if cfg.placement == "static":
+            staged_shares = [Fraction(0)]
+        else:
+            staged_shares = None if cfg.stride == "auto" else [Fraction(1, cfg.stride)]
+        try:
+            plan, _ = perfmodel.choose(
+                self.plan.numels, self.calibration, free_gpu_bytes=free, max_threads=self.max_threads,
+                staging_slots=len(self._dev.slots), subgroup_numel=self.layout.subgroup_numel,
+                placement=cfg.placement, staged_shares=staged_shares, state_dtype=cfg.state_dtype,
+                **self._bytes)
+        except ValueError:
+            return None
+        return plan.replace(source="perfmodel")
 
     @property
     def deferred_host(self) -> bool:

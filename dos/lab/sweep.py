@@ -409,15 +409,12 @@ def expected_s(spec: RunSpec, rows: Sequence[dict]) -> float:
     the same system and model, plus RUN_OVERHEAD_S; 0 where nothing alike was recorded."""
     import statistics
 
-    def same(r: dict, keys) -> bool:
-        run = (json.loads(r["config"]).get("run") or {}) if r.get("config", "").startswith("{") else {}
-        mine = spec.to_dict()
-        return all(run.get(k) == mine.get(k) for k in keys)
-
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("wall_s")]
-    exact = [k for k in spec.to_dict() if k != "repeat"]
+    mine = spec.to_dict()
+    ok = [((json.loads(r["config"]).get("run") or {}) if r.get("config", "").startswith("{") else {},
+           float(r["wall_s"])) for r in rows if r.get("status") == "ok" and r.get("wall_s")]
+    exact = [k for k in mine if k != "repeat"]
     for keys in (exact, ("system", "model", "model_overrides", "device")):
-        walls = [float(r["wall_s"]) for r in ok if same(r, keys)]
+        walls = [w for run, w in ok if all(run.get(k) == mine.get(k) for k in keys)]
         if walls:
             return statistics.median(walls) + RUN_OVERHEAD_S
     return 0.0
