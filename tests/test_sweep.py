@@ -260,7 +260,8 @@ def test_preflight_skips_what_cannot_fit_and_what_is_missing(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_timeout_and_crash_become_rows(tmp_path):
-    sweep = sw.parse({"defaults": QUICK, "timeout_s": 0.5, "runs": [{"system": "torch-cpu"}]}, "t")
+    # 5000 steps: far beyond 0.5 s, also when the run is a fork that imported nothing (dos.lab.zygote)
+    sweep = sw.parse({"defaults": {**QUICK, "steps": 5000}, "timeout_s": 0.5, "runs": [{"system": "torch-cpu"}]}, "t")
     sw.run(sweep, tmp_path, progress=False)
     (row,) = records.read_rows(tmp_path / "runs.csv")
     assert row["status"] == "error" and row["error"].startswith("timeout")
@@ -335,3 +336,80 @@ def test_every_sweep_file_loads_and_is_named_after_itself():
     for f in files:
         s = sw.load(f)
         assert s.name == f.stem and s.runs, f.name
+
+
+def test_continue_batch_refuses_a_batch_it_has_no_rows_of_or_from_another_boot(tmp_path, monkeypatch):
+    """A device call copies the checkout afresh: where the previous call's results were not put
+    back, a sweep told to continue a batch would run the batch's first runs again under its id
+    (session 10). `continued_batch` accepts a batch only with rows of it from this boot."""
+    with pytest.raises(ConfigError, match="holds no row of that batch"):
+        sw.continued_batch(tmp_path, "B1")
+    monkeypatch.setattr(records, "boot_id", lambda: "boot-a")
+    row = {c: "" for c in records.COLUMNS}
+    row.update(run_id="r1", status="ok", batch_id="B1", boot_id="boot-a")
+    records.append_row(tmp_path / "runs.csv", row)
+    assert sw.continued_batch(tmp_path, "B1") == "B1"
+    with pytest.raises(ConfigError, match="holds no row of that batch"):
+        sw.continued_batch(tmp_path, "B2")
+    monkeypatch.setattr(records, "boot_id", lambda: "boot-b")  # the machine was restarted
+    with pytest.raises(ConfigError, match="one machine without restart"):
+        sw.continued_batch(tmp_path, "B1")
+    r = _sweep(SMOKE, "--out", str(tmp_path / "empty"), "--continue-batch", "B1", "--no-progress")
+    assert r.returncode == 2 and "holds no row of that batch" in r.stderr
+    assert not (tmp_path / "empty" / "runs.csv").exists()
+
+
+def test_runs_are_forks_of_an_importing_server_and_fall_back_to_exec(tmp_path, monkeypatch):
+    """dos.lab.zygote: a run is a fork of a server that imported torch and transformers once, its
+    output in the run's log; a child that cannot use CUDA after the fork
+    (BAD_FORK) makes the sweep run that spec, and every later one, by exec."""
+    from dos.lab import zygote
+
+    monkeypatch.setattr(zygote, "_broken", False)
+    monkeypatch.delenv("DOS_ZYGOTE", raising=False)
+    assert zygote.enabled()
+    spec = sw.parse({"defaults": QUICK, "runs": [{"system": "torch-cpu"}]}, "z").runs[0]
+    res = sw.run_child(spec, tmp_path / "a", 300)
+    assert res["status"] == "ok" and res["iter_s"] > 0
+    log = (tmp_path / "a" / "log.txt").read_text()
+    assert "] init_system" in log and "] step 0" in log  # the child's output went to the run's log
+    real_start, real_run, started = zygote.start, zygote.ForkedRun, []
+
+    class BadFork:
+        pid, returncode = 2**22 + 7, None  # no such process group: _kill_group finds nothing
+
+        def wait(self, timeout=None):
+            return zygote.BAD_FORK
+
+    def fake_start(argv, log_path, env):
+        started.append(argv)
+        return BadFork()
+
+    monkeypatch.setattr(zygote, "start", fake_start)
+    monkeypatch.setattr(zygote, "ForkedRun", BadFork)
+    monkeypatch.setattr(zygote, "_server", None)
+    res = sw.run_child(spec, tmp_path / "b", 300)  # fell back to `python -m dos.lab.bench.run`
+    assert res["status"] == "ok" and len(started) == 1 and not zygote.enabled()
+    sw.run_child(spec, tmp_path / "c", 300)
+    assert len(started) == 1  # later runs by exec too
+    # a run whose CUDA failed to start in the fork (a driver initialised by an import): by exec
+    monkeypatch.setattr(zygote, "start", real_start)
+    monkeypatch.setattr(zygote, "_broken", False)
+    monkeypatch.setattr(zygote, "ForkedRun", real_run)
+    assert zygote.broke_cuda("CUDA error: initialization error") and not zygote.broke_cuda("out of memory")
+    real_wait, waited = real_run.wait, []
+
+    def wait_then_break(self, timeout=None):
+        rc = real_wait(self, timeout)
+        (tmp_path / "d" / "result.json").write_text(json.dumps({"status": "error", "files": {},
+                                                                "error": "CUDA error: initialization error"}))
+        waited.append(rc)
+        return rc
+
+    monkeypatch.setattr(zygote, "ForkedRun", type("F", (real_run,), {"wait": wait_then_break}))
+    res = sw.run_child(spec, tmp_path / "d", 300)
+    assert waited and res["status"] == "ok" and not zygote.enabled()
+    assert (tmp_path / "d" / "log.fork.txt").exists() and "] step 0" in (tmp_path / "d" / "log.txt").read_text()
+    monkeypatch.setattr(zygote, "_broken", False)
+    monkeypatch.setenv("DOS_ZYGOTE", "0")
+    assert not zygote.enabled()

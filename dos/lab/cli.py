@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-id", help="continue this batch (a resume on the same machine, e.g. a sweep longer "
                                       "than one device call; its rows' gpu_uuid and boot_id show whether it was); "
                                       "default: a new batch per invocation")
+    s.add_argument("--continue-batch", metavar="BATCH_ID",
+                   help="like --batch-id, but refuse to start unless the results dir already holds rows "
+                        "of that batch measured on this host since its last boot (a device call that "
+                        "lost the previous call's results would otherwise start the batch over)")
     s.add_argument("--stop-by-s", type=float, metavar="SECONDS",
                    help="start no run expected to end later than this many seconds from now (a device "
                         "call's time left); the sweep resumes from there next time")
@@ -131,6 +135,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     batch_id = getattr(args, "batch_id", None) or sw.new_batch_id()
+    if getattr(args, "continue_batch", None):
+        try:
+            batch_id = sw.continued_batch(out, args.continue_batch)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         counts = sw.run(sweep, out, pack=args.pack, dry_run=getattr(args, "dry_run", False),
                         host_memory_gib=args.host_memory_gib, progress=progress,

@@ -52,6 +52,7 @@ from typing import List, Optional, Sequence
 import psutil
 import yaml
 
+from dos.lab import zygote
 from dos.lab.bench import records
 from dos.lab.bench.spec import ConfigError, RunSpec
 from dos.lab.preflight import (DOS_STATE_BPP, MEMORY_REASON, available_host_gib,  # noqa: F401 (API)
@@ -218,12 +219,15 @@ def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
            "DOS_SWEEP_PID": str(os.getpid())}  # the run dies with this process (dos.lab.bench.run)
     repo = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "dos.lab.bench.run", str(run_dir / "spec.json"), str(run_dir)]
+    argv = [str(run_dir / "spec.json"), str(run_dir)]
     with open(run_dir / "log.txt", "wb") as log:
-        # Its own session (process group) and no preexec_fn: with one, a SIGTERM arriving during
-        # the fork was lost about one time in four (the sweep ran on), and it is unsafe with threads.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        # a fork of a server that imported torch and transformers already (None: it cannot)
+        proc = zygote.start(argv, run_dir / "log.txt", env) if zygote.enabled() else None
+        if proc is None:
+            # Its own session (process group) and no preexec_fn: with one, a SIGTERM arriving during
+            # the fork was lost about one time in four (the sweep ran on); unsafe with threads too.
+            proc = subprocess.Popen([sys.executable, "-m", "dos.lab.bench.run", *argv], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -233,10 +237,19 @@ def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
             _kill_group(proc)
             raise
     _kill_group(proc)  # leftovers of the run's process group (e.g. DeepSpeed worker processes)
+    if rc == zygote.BAD_FORK and isinstance(proc, zygote.ForkedRun):  # CUDA unusable in a fork
+        zygote.disable("a forked run could not use CUDA")
+        return run_child(spec, run_dir, timeout_s)
     _trim_log(run_dir / "log.txt")
     result_path = run_dir / "result.json"
     if result_path.exists():
-        return json.loads(result_path.read_text())
+        res = json.loads(result_path.read_text())
+        if isinstance(proc, zygote.ForkedRun) and zygote.broke_cuda(res.get("error")):
+            zygote.disable(f"a forked run could not initialise CUDA ({str(res['error'])[:160]})")
+            os.replace(run_dir / "log.txt", run_dir / "log.fork.txt")  # kept: why it ran again
+            result_path.unlink()
+            return run_child(spec, run_dir, timeout_s)
+        return res
     tail = _log_tail(run_dir / "log.txt")
     if rc == -signal.SIGKILL:
         return {"status": "oom", "error": f"killed by SIGKILL (host out of memory?); log: {tail}", "files": {}}
@@ -266,6 +279,23 @@ def new_batch_id() -> str:
     import uuid
 
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:8]
+
+
+def continued_batch(out_dir: Path, batch_id: str) -> str:
+    """`batch_id`, checked to be a batch this host is in the middle of: `out_dir/runs.csv` holds
+    rows of it, recorded since this host's last boot (a batch is one machine without restart).
+    Raises ConfigError otherwise: a device call whose checkout lacks the previous call's results
+    would run the batch's first runs again under the same batch_id (session 10 did, three times)."""
+    rows = [r for r in records.read_rows(Path(out_dir) / "runs.csv") if r.get("batch_id") == batch_id]
+    if not rows:
+        raise ConfigError(f"--continue-batch {batch_id}: {Path(out_dir) / 'runs.csv'} holds no row of that "
+                          "batch (were the previous call's results put back into this directory?)")
+    boots = {r.get("boot_id") for r in rows}
+    if records.boot_id() not in boots:
+        raise ConfigError(f"--continue-batch {batch_id}: its rows were measured on boot {sorted(boots)}, this "
+                          f"host is boot {records.boot_id()!r}: a batch is one machine without restart; "
+                          "start a new batch")
+    return batch_id
 
 
 def run_folder(run_id: str, rows_before: int) -> str:

@@ -9,10 +9,15 @@
 # - SWEEP...: `python -m dos sweep` (after `python -m dos calibrate --cached`)
 # Rows record git_sha: the device's copy of the checkout has the last landed commit's .git under
 # this session's files, so prefix the command with DOS_GIT_SHA=<this checkout's short sha>.
-# BATCH_ID=<id> in the environment continues that batch (a sweep longer than one call, on the same
-# warm machine: its rows' boot_id says whether it was); every sweep also packs its results dir into
-# $OUT/<sweep>.tar.gz after each run, so a call cut short by its time limit loses only the run in
-# flight (session 7 lost a whole planner batch to a pack made only at the end).
+# BATCH_ID=<id> in the environment names the batch: with BATCH_NEW=1 the call starts it, without,
+# the call continues it (a sweep longer than one call, on the same warm machine) and the sweep
+# refuses to start unless its results already hold rows of that batch from this boot
+# (`dos sweep --continue-batch`). Sweeps write into $DOS_DEVICE_RESULTS/<sweep> (default
+# /root/dos-results), outside the checkout: the checkout is copied afresh at every call, that folder
+# survives between calls on a warm machine (session 10 lost that and ran a batch's first runs three
+# times); it is seeded from experiments/results/<sweep> when absent and copied back after the sweep.
+# Every sweep also packs its whole results dir into $OUT/<sweep>.tar.gz after each run (extract it
+# into experiments/results/), so a call cut short by its time limit loses only the run in flight.
 # Everything under experiments/results and figures/ that changed comes back in $OUT/results.tar.gz,
 # also when the budget runs out mid-sweep (the run in flight is lost; the sweep resumes next call).
 set -u
@@ -26,13 +31,14 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 export PYTHONPYCACHEPREFIX=/tmp/pycache HF_HUB_OFFLINE=1
 # Keep $OUT to a handful of files: the device returns a limited number, and session 9 lost a
 # call's results archive to 20 extra files copied there.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Wheels: carry `.whl` (all of gpu-wheels.sh's and the notebooks') or, where the checkout and it
+# exceed the device's 64 MiB, `.whl-base` (DeepSpeed, its pure-Python deps and torchao: ~8 MiB).
+wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-*/*.whl 2>/dev/null)
+[ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
 export PYTHONPATH=$PWD:/tmp/site
 touch /tmp/stamp
 { nvidia-smi -L; nproc; free -g; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
   cat /proc/sys/kernel/random/boot_id /sys/kernel/mm/transparent_hugepage/enabled
-  TIMEFORMAT="import transformers: %R s"  # twice: the second shows what the bytecode cache saves
-  for i in 1 2; do time python3 -c 'from transformers import LlamaForCausalLM'; done
 } > $OUT/machine.txt 2>&1
 if [ -n "$pytest_args" ]; then
   timeout $(( $(left) - 30 )) python3 -m pytest -q -m gpu --timeout 120 -p no:cacheprovider $pytest_args > $OUT/pytest-gpu.log 2>&1
@@ -50,11 +56,17 @@ if [ $# -gt 0 ]; then
     file=${arg%%:*}; where=""
     [ "$arg" != "$file" ] && for w in $(echo "${arg#*:}" | tr '&' ' '); do where="$where --where $w"; done
     name=$(basename $file .yaml)
+    if [ -z "$out" ]; then
+      res=${DOS_DEVICE_RESULTS:-/root/dos-results}/$name; out="--out $res"
+      [ -d $res ] || { mkdir -p $(dirname $res); if [ -d experiments/results/$name ]; then cp -a experiments/results/$name $res; else mkdir $res; fi; }
+    else res=""; fi
+    batch=""; [ -n "${BATCH_ID:-}" ] && batch="--continue-batch $BATCH_ID" && [ "${BATCH_NEW:-0}" = 1 ] && batch="--batch-id $BATCH_ID"
     # --stop-by-s: no run is started that the recorded rows say would not end in time (it would be
     # killed in flight, its minute lost); `timeout` stays the backstop
     timeout -k 10 $(( $(left) - 25 )) python3 -m dos sweep $file $where $out --no-progress \
-      --stop-by-s $(( $(left) - 35 )) ${BATCH_ID:+--batch-id $BATCH_ID} --pack $OUT/$name.tar.gz >> $OUT/sweeps.log 2>&1
+      --stop-by-s $(( $(left) - 35 )) $batch --pack $OUT/$name.tar.gz >> $OUT/sweeps.log 2>&1
     echo "sweep $file rc=$?"; tail -3 $OUT/sweeps.log
+    [ -n "$res" ] && mkdir -p experiments/results/$name && cp -a $res/. experiments/results/$name/
   done
 fi
 pkill -f ipykernel_launcher; pkill -f "dos.lab.bench"; sleep 2
