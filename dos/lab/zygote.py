@@ -164,8 +164,9 @@ def _close() -> None:
 
 # ---------------------------------------------------------------- the server process
 
-def _child(req: dict) -> None:
+def _child(req: dict, proto_fd: int) -> None:
     try:
+        os.close(proto_fd)  # the protocol's pipe is the server's alone: its EOF tells the sweep
         os.setsid()
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -195,12 +196,15 @@ def _child(req: dict) -> None:
 
 
 def serve() -> int:
+    # The protocol gets its own descriptor; fd 1 goes to stderr, so that whatever an import prints
+    # cannot be taken for a reply.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
-    out = sys.stdout
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
@@ -209,7 +213,7 @@ def serve() -> int:
         req = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(req)
+            _child(req, out.fileno())
         out.write(json.dumps({"pid": pid}) + "\n")
         out.flush()
         _, status = os.waitpid(pid, 0)
