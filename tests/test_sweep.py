@@ -1,6 +1,7 @@
 """Sweeps end to end on the CPU: the smoke sweep, kill-and-resume, and clear errors."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -413,3 +414,42 @@ def test_runs_are_forks_of_an_importing_server_and_fall_back_to_exec(tmp_path, m
     monkeypatch.setattr(zygote, "_broken", False)
     monkeypatch.setenv("DOS_ZYGOTE", "0")
     assert not zygote.enabled()
+
+
+@pytest.mark.slow
+def test_device_call_script_continues_a_batch_across_calls_and_refuses_one_it_lost(tmp_path):
+    """experiments/scripts/h200_call.sh, as a device call runs it (here on the CPU): each call gets
+    a fresh copy of the checkout, so a sweep's results live outside it and survive between calls;
+    `BATCH_ID` + `BATCH_NEW=1` starts a batch, `BATCH_ID` alone continues it, and a call that finds
+    no row of the batch refuses to start it over (session 10 ran a batch's first runs three times)."""
+    repo = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(repo)], check=True)
+    (repo / "experiments" / "sweeps" / "devcall.yaml").write_text(
+        "name: devcall\ndefaults: {model: tiny, device: cpu, seq_len: 16, micro_batch: 1, warmup: 0, "
+        "steps: 1, nvml_hz: 5}\nruns:\n  - {system: torch-cpu, seed: [0, 1]}\n")
+    out, res = tmp_path / "out", tmp_path / "device-results"
+    shutil.copy(Path(ROOT) / "experiments" / "scripts" / "h200_call.sh", repo / "experiments" / "scripts")
+    env = {**os.environ, "OUT": str(out), "DOS_DEVICE_RESULTS": str(res), "BATCH_ID": "B-call",
+           "H200_CALL_KEEP_PROCS": "1",  # its pkill of leftover runs is for the device alone
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+
+    def call(where="", **extra):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        arg = "experiments/sweeps/devcall.yaml" + (f":{where}" if where else "")
+        r = subprocess.run(["bash", "experiments/scripts/h200_call.sh", "300", "", "", arg], cwd=repo,
+                           env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return (out / "sweeps.log").read_text()
+
+    assert "ok 1" in call("seed=0", BATCH_NEW="1")
+    shutil.rmtree(repo / "experiments" / "results" / "devcall")  # the next call's fresh checkout
+    assert "already 1, ok 1" in call()
+    rows = records.read_rows(res / "devcall" / "runs.csv")
+    assert [r["batch_id"] for r in rows] == ["B-call", "B-call"]
+    with tarfile.open(out / "devcall.tar.gz") as tar:  # the whole results dir comes back
+        assert "devcall/runs.csv" in tar.getnames()
+    shutil.rmtree(res)  # a fresh machine (and no results put back into the checkout)
+    shutil.rmtree(repo / "experiments" / "results" / "devcall")
+    log = call()
+    assert "holds no row of that batch" in log and not (res / "devcall" / "runs.csv").exists()

@@ -69,6 +69,8 @@ if [ $# -gt 0 ]; then
     [ -n "$res" ] && mkdir -p experiments/results/$name && cp -a $res/. experiments/results/$name/
   done
 fi
-pkill -f ipykernel_launcher; pkill -f "dos.lab.bench"; sleep 2
+# leftovers of a notebook or run cut off by `timeout` (the device runs nothing else; a CPU test of
+# this script sets H200_CALL_KEEP_PROCS=1)
+[ "${H200_CALL_KEEP_PROCS:-0}" = 1 ] || { pkill -f ipykernel_launcher; pkill -f "dos.lab.bench"; pkill -f "dos.lab.zygote"; sleep 2; }
 find experiments/results figures -newer /tmp/stamp -type f > /tmp/changed
 tar -czf $OUT/results.tar.gz -T /tmp/changed; echo "packed $(wc -l < /tmp/changed) files"; du -sh $OUT/results.tar.gz
