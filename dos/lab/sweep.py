@@ -212,7 +212,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
-    """Run `spec` in a fresh process; return its result dict (synthesized when it died)."""
+    """Run `spec` in its own process (a fork of the `zygote` server, else `python -m`); return its
+    result dict (synthesized when it died)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(spec.to_dict(), indent=1))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port()),
