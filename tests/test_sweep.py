@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dos.lab import child
 from dos.lab import sweep as sw
 from dos.lab.bench import records
 from dos.lab.bench.spec import ConfigError
@@ -132,8 +133,8 @@ def test_kill_group_waits_for_every_process_of_the_run():
         time.sleep(0.02)
     grandchildren = psutil.Process(proc.pid).children(recursive=True)
     assert len(grandchildren) == 2
-    sw._kill_group(proc)
-    assert not sw._group_alive(proc.pid)
+    child._kill_group(proc)
+    assert not child._group_alive(proc.pid)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in grandchildren)
 
 
