@@ -16,20 +16,21 @@ A sweep file (experiments/sweeps/NAME.yaml):
     supersedes: [RUN_ID, ...]     # rows this sweep re-measures (readers then ignore them) ...
     supersede_reason: free text   # ... and why (required with supersedes)
 
-Every row carries the sweep process's `batch_id` (one per invocation: a resumed sweep is a new
-batch), the GPU's UUID, the host's boot id and, under `repeat`, its repetition (1..N; each a run_id
-of its own). Ratios are taken within one batch only (dos.lab.results). A headline sweep refuses a
-dirty tree unless `--allow-dirty` (or DOS_ALLOW_DIRTY=1) is given; the row's git_sha says so then.
+Every row carries the sweep process's `batch_id` (one per invocation, a resumed sweep a new batch,
+unless `--batch-id` or `--continue-batch` names the batch it continues on the same machine), the
+GPU's UUID, the host's boot id and, under `repeat`, its repetition (1..N; each a run_id of its own).
+Ratios are taken within one batch only (dos.lab.results). A headline sweep refuses a dirty tree
+unless `--allow-dirty` (or DOS_ALLOW_DIRTY=1) is given; the row's git_sha says so then.
 
 Every run is a child process (`dos.lab.child`: a fork of the `zygote` server or `python -m
-dos.lab.bench.run`; its own process group); the parent appends its row. Finished run_ids are not run again, so a killed sweep reruns only what was in
-flight; SIGTERM (e.g. `timeout`) kills the run in flight with its whole process group before the
-sweep exits. Runs that cannot fit in host memory, or cannot run on this machine, become `skipped`
-rows with the reason; a resumed sweep checks those again (on a larger machine they run, their new
-row superseding the skipped one; still skipped, no row is added). The host-memory preflight waits
-while available memory is still growing (a previous run's pinned memory being released), at most
-`SETTLE_MAX_S`. Crashes, timeouts and OOMs become rows too. Errors in the file itself stop
-everything before the first run.
+dos.lab.bench.run`; its own process group); the parent appends its row. Finished run_ids are not
+run again, so a killed sweep reruns only what was in flight; SIGTERM (e.g. `timeout`) kills the
+run in flight with its whole process group before the sweep exits. Runs that cannot fit in host
+memory, or cannot run on this machine, become `skipped` rows with the reason; a resumed sweep
+checks those again (on a larger machine they run, their new row superseding the skipped one; still
+skipped, no row is added). The host-memory preflight waits while available memory is still growing
+(a previous run's pinned memory being released), at most `SETTLE_MAX_S`. Crashes, timeouts and OOMs
+become rows too. Errors in the file itself stop everything before the first run.
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def _short(d: dict) -> str:
                                              "model") if k in d)
 
 
-# ---------------------------------------------------------------- preflight
+# ---------------------------------------------------------------- rows
 
 def new_batch_id() -> str:
     """One per sweep process: UTC time and a random suffix (sortable, unique across machines)."""

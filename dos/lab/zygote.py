@@ -146,8 +146,8 @@ def start(argv: list, log_path, env: dict) -> Optional[ForkedRun]:
     call), its output appended to `log_path`; None where the server cannot (run by exec)."""
     global _server
     try:
-        if _server is None:
-            _server = Server(dict(os.environ))
+        if _server is None:  # with the run's environment: its PYTHONPATH finds this checkout
+            _server = Server(dict(env))
             atexit.register(_close)
         return ForkedRun(_server, _server.request([str(a) for a in argv], str(log_path), dict(env)))
     except ServerGone as e:
