@@ -428,3 +428,15 @@ def test_cpu_schedule_reaches_the_kernel_and_the_record(tmp_path):
         RunSpec(system="dos", placement="cpu", cpu_schedule="guided")
     with pytest.raises(ConfigError, match="cpu_schedule does not apply"):
         RunSpec(system="torch-cpu", cpu_schedule="static")
+
+
+def test_numa_gib_sums_each_nodes_pages_at_their_page_size():
+    """host_pages records where the arena's pages are (NUMA node), to tell a run that streamed from
+    a remote node apart from other noise: 2 MiB huge pages and 4 KiB pages each counted at their size."""
+    from dos.lab.bench.run import numa_gib
+
+    text = ("7f00 default anon=3 dirty=3 N0=512 N1=1024 kernelpagesize_kB=2048\n"
+            "7f10 default file=/lib/x.so mapped=262144 N0=262144 kernelpagesize_kB=4\n"
+            "7f20 default anon=1\n")
+    assert numa_gib(text) == {"N0": 2.0, "N1": 2.0}
+    assert numa_gib("") == {}

@@ -39,6 +39,7 @@ export PYTHONPATH=$PWD:/tmp/site
 touch /tmp/stamp
 { nvidia-smi -L; nproc; free -g; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
   cat /proc/sys/kernel/random/boot_id /sys/kernel/mm/transparent_hugepage/enabled
+  lscpu | grep -iE "model name|numa|socket|mhz"  # NUMA nodes: where a run's arena may land
 } > $OUT/machine.txt 2>&1
 if [ -n "$pytest_args" ]; then
   timeout $(( $(left) - 30 )) python3 -m pytest -q -m gpu --timeout 120 -p no:cacheprovider $pytest_args > $OUT/pytest-gpu.log 2>&1

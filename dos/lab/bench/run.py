@@ -226,14 +226,33 @@ def host_pages() -> dict:
     """This process's resident host memory and how much of it is in transparent huge pages, GiB
     (/proc/self/smaps_rollup; {} where absent). The host arena asks for huge pages
     (dos.buffers.HostArena); the CPU lane streams through all of it every step, so a run that got
-    fewer of them may update slower — recorded per run to tell that apart from other noise."""
+    fewer of them may update slower — recorded per run to tell that apart from other noise; so is
+    the NUMA node of the pages (`numa_gib`, where /proc/self/numa_maps exists)."""
     try:
         text = Path("/proc/self/smaps_rollup").read_text()
     except OSError:
         return {}
     kib = {k.strip(): int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in text.splitlines()[1:] if ":" in ln)}
-    return {name: round(kib.get(field, 0) / 2**20, 3) for name, field in
-            (("rss_gib", "Rss"), ("anon_huge_gib", "AnonHugePages"), ("locked_gib", "Locked"))}
+    out = {name: round(kib.get(field, 0) / 2**20, 3) for name, field in
+           (("rss_gib", "Rss"), ("anon_huge_gib", "AnonHugePages"), ("locked_gib", "Locked"))}
+    try:  # which NUMA node holds the pages: a run whose arena landed on a remote node streams slower
+        out["numa_gib"] = numa_gib(Path("/proc/self/numa_maps").read_text())
+    except OSError:
+        pass
+    return out
+
+
+def numa_gib(numa_maps: str) -> dict:
+    """GiB resident per NUMA node ("N0", "N1", ...) summed over a /proc/<pid>/numa_maps text (each
+    mapping's `N<node>=<pages>` counts pages of its `kernelpagesize_kB`)."""
+    per = {}
+    for line in numa_maps.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split()[2:] if "=" in f)
+        page_kib = int(fields.get("kernelpagesize_kB", 4))
+        for k, v in fields.items():
+            if k[:1] == "N" and k[1:].isdigit():
+                per[k] = per.get(k, 0) + int(v) * page_kib
+    return {k: round(v / 2**20, 3) for k, v in sorted(per.items())}
 
 
 def _write_artifacts(run_dir: Path, clock, times, lanes, res) -> None:
