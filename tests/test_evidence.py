@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -90,9 +93,9 @@ def test_headline_sweep_refuses_a_dirty_tree(tmp_path, monkeypatch):
     sw.check_clean(sweep)  # clean
     sw.check_clean(sw.parse({"runs": [{"system": "torch-cpu"}]}, "n"))  # not a headline sweep
     monkeypatch.setenv("DOS_GIT_SHA", "abc123-dirty")
-    r = sw.subprocess.run([sw.sys.executable, "-m", "dos", "sweep", "experiments/sweeps/headline-3b.yaml",
-                           "--out", str(tmp_path / "h3")], cwd=sw.Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "dos", "sweep", "experiments/sweeps/headline-3b.yaml",
+                        "--out", str(tmp_path / "h3")], cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "headline sweep" in r.stderr and not (tmp_path / "h3").exists()
 
 
