@@ -379,3 +379,19 @@ def test_cli_run_modes_exclude_each_other():
     from dos.lab import cli
 
     assert cli.main(["run", "--rerun", "--smoke"]) == 2
+
+
+def test_executed_notebooks_keep_one_stream_output_per_run_of_prints():
+    """The kernel chunks a cell's printing by timing: a fresh clone's `make run` once split one
+    verdict line in two outputs and left the tree dirty. strip_timestamps joins them."""
+    from dos.lab.figures import merged_streams
+
+    a = [{"output_type": "stream", "name": "stdout", "text": "verdict: MISS\n"},
+         {"output_type": "stream", "name": "stdout", "text": ["\n", "x\n"]},
+         {"output_type": "stream", "name": "stderr", "text": "warn\n"},
+         {"output_type": "display_data", "data": {}},
+         {"output_type": "stream", "name": "stdout", "text": "y\n"}]
+    got = merged_streams([dict(o) for o in a])
+    assert [o.get("name") for o in got] == ["stdout", "stderr", None, "stdout"]
+    assert got[0]["text"] == "verdict: MISS\n\nx\n"
+    assert merged_streams([dict(o) for o in a[:1]]) == a[:1]

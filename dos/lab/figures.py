@@ -206,7 +206,9 @@ def execute(path, mode: str = "replot", figures: str = "figures", executed: Opti
 
 def strip_timestamps(path) -> None:
     """Make an executed notebook depend on its inputs only: papermill's and the kernel's clock
-    (start/end times, durations, execution timestamps) and this checkout's absolute paths go, so
+    (start/end times, durations, execution timestamps) and this checkout's absolute paths go, and a
+    cell's consecutive stream outputs of one name become one (how the kernel chunks a cell's
+    printing depends on timing: a fresh clone's `make run` split one verdict line in two), so
     that replotting unchanged records leaves the kept copies byte-identical."""
     import nbformat
 
@@ -224,7 +226,21 @@ def strip_timestamps(path) -> None:
         cell.metadata.pop("execution", None)
         for key in ("start_time", "end_time", "duration"):
             cell.metadata.get("papermill", {}).pop(key, None)
+        if "outputs" in cell:
+            cell["outputs"] = merged_streams(cell["outputs"])
     nbformat.write(nb, str(path))
+
+
+def merged_streams(outputs: list) -> list:
+    """`outputs` with each run of consecutive stream outputs of one name (stdout, stderr) joined."""
+    out = []
+    for o in outputs:
+        if (out and o.get("output_type") == "stream" and out[-1].get("output_type") == "stream"
+                and out[-1].get("name") == o.get("name")):
+            out[-1]["text"] = "".join(out[-1]["text"]) + "".join(o["text"])
+        else:
+            out.append(o)
+    return out
 
 
 def run_all(mode: str = "replot", only=None, figures: str = "figures", executed: Optional[str] = None,
