@@ -51,13 +51,11 @@ def enabled() -> bool:
 
 
 def disable(why: str = "") -> None:
-    global _broken, _server
+    global _broken
     _broken = True
     if why:
         print(f"sweep: {why}; this and later runs start by exec", file=sys.stderr)
-    if _server is not None:
-        _server.close()
-        _server = None
+    _close()
 
 
 # What CUDA says in a process that inherited an initialised driver: the fork is the cause, not
@@ -85,6 +83,7 @@ class Server:
                                      stdout=subprocess.PIPE, env=env)
         self._buf = b""
         if self.readline(READY_S) != "ready":
+            self.proc.kill()  # imports that hang: not left behind
             raise ServerGone("the fork server did not start")
 
     def readline(self, timeout: Optional[float]) -> Optional[str]:
