@@ -450,6 +450,12 @@ def test_device_call_script_continues_a_batch_across_calls_and_refuses_one_it_lo
     assert [r["batch_id"] for r in rows] == ["B-call", "B-call"]
     with tarfile.open(out / "devcall.tar.gz") as tar:  # the whole results dir comes back
         assert "devcall/runs.csv" in tar.getnames()
+    # a new batch of the same sweep measures every run again, beside the older batch's rows
+    # (session 11's first call skipped 9 runs of a new batch that an older batch had measured)
+    assert "ok 2" in call(BATCH_ID="B-next", BATCH_NEW="1")
+    rows = records.read_rows(res / "devcall" / "runs.csv")
+    assert [r["batch_id"] for r in rows] == ["B-call"] * 2 + ["B-next"] * 2
+    assert len({r["log_file"] for r in rows}) == 4  # the new batch's files beside the old ones
     shutil.rmtree(res)  # a fresh machine (and no results put back into the checkout)
     shutil.rmtree(repo / "experiments" / "results" / "devcall")
     log = call()

@@ -36,9 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--supersede", action="append", default=[], metavar="RUN_ID",
                    help="re-measure this recorded run (repeatable): rows are added, marked as superseding it")
     s.add_argument("--reason", help="why the --supersede rows are replaced (required with --supersede)")
-    s.add_argument("--batch-id", help="continue this batch (a resume on the same machine, e.g. a sweep longer "
-                                      "than one device call; its rows' gpu_uuid and boot_id show whether it was); "
-                                      "default: a new batch per invocation")
+    s.add_argument("--batch-id", help="name the batch (new, or continued on the same machine, e.g. a sweep "
+                                      "longer than one device call; its rows' gpu_uuid and boot_id show whether "
+                                      "it was): every run without a row of this batch runs, also where an older "
+                                      "batch measured it; default: a new batch per invocation that runs only "
+                                      "what no batch measured (a resume)")
     s.add_argument("--continue-batch", metavar="BATCH_ID",
                    help="like --batch-id, but refuse to start unless the results dir already holds rows "
                         "of that batch measured on this host since its last boot (a device call that "
@@ -145,7 +147,8 @@ def main(argv=None) -> int:
         counts = sw.run(sweep, out, pack=args.pack, dry_run=getattr(args, "dry_run", False),
                         host_memory_gib=args.host_memory_gib, progress=progress,
                         allow_dirty=getattr(args, "allow_dirty", False), batch_id=batch_id,
-                        stop_by_s=getattr(args, "stop_by_s", None))
+                        stop_by_s=getattr(args, "stop_by_s", None),
+                        within_batch=bool(getattr(args, "batch_id", None) or getattr(args, "continue_batch", None)))
     except sw.DirtyTree as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ unless `--allow-dirty` (or DOS_ALLOW_DIRTY=1) is given; the row's git_sha says s
 
 Every run is a child process (`dos.lab.child`: a fork of the `zygote` server or `python -m
 dos.lab.bench.run`; its own process group); the parent appends its row. Finished run_ids are not
-run again, so a killed sweep reruns only what was in flight; SIGTERM (e.g. `timeout`) kills the
+run again (within the named batch, where one is named), so a killed sweep reruns only what was in flight; SIGTERM (e.g. `timeout`) kills the
 run in flight with its whole process group before the sweep exits. Runs that cannot fit in host
 memory, or cannot run on this machine, become `skipped` rows with the reason; a resumed sweep
 checks those again (on a larger machine they run, their new row superseding the skipped one; still
@@ -266,9 +266,14 @@ def check_clean(sweep: Sweep, allow_dirty: bool = False) -> None:
 
 def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False,
         host_memory_gib: Optional[float] = None, progress: bool = True, allow_dirty: bool = False,
-        batch_id: Optional[str] = None, stop_by_s: Optional[float] = None) -> dict:
+        batch_id: Optional[str] = None, stop_by_s: Optional[float] = None,
+        within_batch: bool = False) -> dict:
     """Run every missing run of `sweep` into `out_dir`, and again those it supersedes; return
-    counts by status. Every row gets this call's `batch_id` (a new one by default). With
+    counts by status. Every row gets this call's `batch_id` (a new one by default). A run is
+    missing where no row has its run_id, or with `within_batch` (a batch named by `--batch-id` or
+    `--continue-batch`) where no row *of this batch* has it: a new batch of a sweep measured
+    before runs every run again (session 11's first call skipped 9 runs of a new batch because
+    an older batch held their rows, and the batch was no longer round-robin). With
     `stop_by_s` (seconds from now: a device call's time left), a run expected to end later
     (`expected_s`) is not started: the sweep stops there (count "deferred") and resumes next time,
     instead of losing the run in flight to the call's time limit."""
@@ -279,8 +284,10 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
         check_clean(sweep, allow_dirty)
     batch_id = batch_id or new_batch_id()
     rows = records.read_rows(csv_path)
+    n_rows = collections.Counter(r["run_id"] for r in rows)  # every batch's: its files stay apart
+    if within_batch:
+        rows = [r for r in rows if r.get("batch_id") == batch_id]
     last = {r["run_id"]: r for r in rows}  # last row wins
-    n_rows = collections.Counter(r["run_id"] for r in rows)
     latest = {rid: r["status"] for rid, r in last.items()}
     # re-measured: run even where a row is there, until a row of this re-measurement is (its last
     # row names it in `supersedes`): a resumed sweep does not measure it yet again
