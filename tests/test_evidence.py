@@ -191,6 +191,43 @@ def test_headline_check_pass_miss_and_empty(tmp_path):
         checks.headline_check(results.rows(tmp_path / "none"))
 
 
+def test_headline_check_grades_dos_interleaved_overlapped_with_backward(tmp_path):
+    """The headline sweeps run dos interleaved with its CPU lane started during backward
+    (overlap_backward, key dos-interleaved-overlap): criterion 2 grades that row; a batch with no
+    fp32 offload baseline yields no comparable row, a MISS."""
+    over = {k: v for k, v in MEDIANS.items() if k != "dos-interleaved"}
+    over["dos-interleaved-overlap"] = ("dos", {"placement": "interleaved", "overlap_backward": True}, 0.7)
+    _batch(tmp_path, over)
+    chk = checks.headline_check(results.rows(tmp_path))
+    assert list(chk["key"]) == ["dos-interleaved-overlap"] and chk.verdict == "PASS"
+    assert chk["vs_baseline"].iloc[0] == pytest.approx(0.7 / 2.4)
+    alone = {k: over[k] for k in ("dos-interleaved-overlap", "torchao-cpu-offload")}  # bf16 baseline only
+    _batch(tmp_path / "alone", alone)
+    chk = checks.headline_check(results.rows(tmp_path / "alone"))
+    assert not len(chk) and chk.verdict == "MISS"
+
+
+def test_results_table_shows_headline_batches_or_names_the_sweeps_to_run(tmp_path):
+    """figures/results.md (and the README) carry the headline batches' table (medians, ranges,
+    ratios within the batch), and until one is recorded, the sweeps that would record it; the
+    panels of figure 15 show one batch each (the latest)."""
+    from dos.lab import figures
+
+    (tmp_path / "scaling").mkdir()
+    _row(tmp_path / "scaling", "dos", 1.0, placement="cpu")
+    assert "none recorded yet: `experiments/sweeps/headline-1.3b.yaml`" in figures.results_table(tmp_path)
+    _batch(tmp_path / "headline-3b", MEDIANS, "B-old")
+    _batch(tmp_path / "headline-3b", {"dos-cpu": MEDIANS["dos-cpu"]}, "B-new")
+    _row(tmp_path / "headline-3b", "torch-gpu", 0.2, batch="B-new", ts="2026-12-01T11:00:00+00:00")  # last
+    table = figures.results_table(tmp_path)
+    assert "none recorded yet" not in table
+    assert "| B-old | 3B | dos interleaved | fp32 | 3 | 0.900 | 0.810-0.990 | 0.38x DeepSpeed ZeRO-2 + CPU optimizer offload |" in table
+    assert "| B-new | 3B | dos all-CPU | fp32 | 3 | 1.200 |" in table  # no baseline in its batch: no ratio
+    from dos.lab import plots_headline
+    df = results.rows([tmp_path / "headline-3b"])
+    assert set(plots_headline.latest_batch(df)["batch_id"]) == {"B-new"}
+
+
 def test_superseded_rows_are_ignored_by_readers(tmp_path):
     old = _row(tmp_path, "dos", 2.0, placement="cpu", warmup=2, ts="2026-12-01T09:00:00+00:00")
     _row(tmp_path, "dos", 1.0, placement="cpu", warmup=5, supersedes=[old], ts="2026-12-01T10:00:00+00:00")

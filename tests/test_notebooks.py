@@ -23,7 +23,7 @@ from dos.lab.bench.spec import PLACEMENTS, SYSTEMS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = figures.notebooks()
-FIGURE_NUMBERS = [f"{i:02d}" for i in range(1, 15)]  # §6: 1-14
+FIGURE_NUMBERS = [f"{i:02d}" for i in range(1, 16)]  # §6: 1-15
 SMOKE_RUN = ("03", "04", "10")  # quick SMOKE sweeps without DeepSpeed (its JIT build takes minutes)
 SHORTER = {"10": {"steps": 6}}  # CI: figure 10's smoke sweep with fewer steps (same code path)
 

@@ -309,7 +309,27 @@ def results_table(root="experiments/results") -> str:
                 f"{Path(r['results_dir']).name}/{r['run_id']} |")
     if not len(df):
         lines.append("| (no GPU records yet) |||||||||||||")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + headline_section(dirs)
+
+
+HEADLINE_SWEEPS = ("headline-1.3b", "headline-3b", "headline-5b", "headline-5b-fp32")
+
+
+def headline_section(dirs) -> str:
+    """Markdown: the headline batches (issue 16's protocol: every system >= 3 times round-robin in
+    one batch), from the `headline-*` records among `dirs`, by `results.batch_table`: medians,
+    min-max, and ratios to the fastest offload baseline of equal state precision within the batch
+    only; or which sweeps are still to run."""
+    head = ["", "Headline batches (each system 3 times, round-robin, one machine; ratios within the batch "
+            "against the fastest offload baseline of the same optimizer-state precision):", ""]
+    dirs = [d for d in dirs if Path(d).name.startswith("headline")]
+    df = R.rows(dirs) if dirs else None
+    if df is not None:
+        df = df[~df["smoke"] & df["gpu_name"].fillna("").ne("") & df["batch_id"].fillna("").ne("")]
+    if df is None or not len(df):
+        sweeps = ", ".join(f"`experiments/sweeps/{s}.yaml`" for s in HEADLINE_SWEEPS)
+        return "\n".join(head + [f"(none recorded yet: {sweeps})"]) + "\n"
+    return "\n".join(head) + "\n" + R.batch_table(df)
 
 
 def _system(r) -> str:

@@ -407,7 +407,12 @@ def ratio(summ: pd.DataFrame, key: str, baseline: str, model: Optional[str] = No
     return float(a["median"].iloc[0] / b["median"].iloc[0])
 
 
-def headline_ratios(df: pd.DataFrame, keys: Sequence[str] = ("dos-interleaved", "dos-auto", "dos-cpu"),
+DOS_HEADLINE = ("dos-interleaved", "dos-interleaved-overlap", "dos-auto", "dos-auto-overlap", "dos-cpu",
+                "dos-cpu-overlap")
+"""The dos rows of a headline batch, in the CPU lane's two starts (step() or during backward)."""
+
+
+def headline_ratios(df: pd.DataFrame, keys: Sequence[str] = DOS_HEADLINE,
                     baselines: Sequence[str] = OFFLOAD_BASELINES) -> pd.DataFrame:
     """Per batch and model, each of `keys` (median over its repeats) against the fastest of
     `baselines` (by median) with the same optimizer-state precision, named; with the ranges.
@@ -437,7 +442,7 @@ def _label(key: str) -> str:
     return label(key)
 
 
-def batch_table(df: pd.DataFrame, keys: Sequence[str] = ("dos-interleaved", "dos-auto", "dos-cpu")) -> str:
+def batch_table(df: pd.DataFrame) -> str:
     """Markdown: per batch and model, every system's median s/iter with its min-max and runs, and
     each row's ratio to the fastest offload baseline of its state precision (named) within the
     batch; rows without a batch_id are left out."""
