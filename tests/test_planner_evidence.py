@@ -114,7 +114,11 @@ def test_planner_check_pass_and_miss(tmp_path):
     assert slow.verdict == "MISS" and "auto +10.0% of k=2" in slow["why"].iloc[0]
     # what bounds it: each fixed plan's runs spread 0.98-1.02 of its pace, 4% of the median
     assert slow["fixed_spread"].iloc[0] == pytest.approx(0.04) and slow["fixed_spread_max"].iloc[0] == pytest.approx(0.04)
-    assert "(a fixed plan's runs spread 4.0% of its median, up to 4.0%)" in slow["why"].iloc[0]
+    # ... and what the plan controls: auto's update phase (iteration / 2 here) 10% above k=2's;
+    # forward + backward (0.2 s in every run) did not vary
+    assert slow["auto_step_vs_best"].iloc[0] == pytest.approx(0.10) and slow["fwd_bwd_spread"].iloc[0] == 0
+    assert ("(a fixed plan's runs spread 4.0% of its median, up to 4.0%; update phase: auto +10.0% of k=2; "
+            "forward + backward, the same work in every run, spread 0% over the batch)") in slow["why"].iloc[0]
     few = pe.planner_check(_runs(tmp_path, "few", auto_s=0.80, runs=2))
     assert few.verdict == "MISS" and "fewer than 3 runs" in few["why"].iloc[0]
     missing = pe.planner_check(_runs(tmp_path, "nok6", auto_s=0.80, skip=("k=6",)))
