@@ -161,6 +161,11 @@ def test_sampler_without_nvml_records_host_and_absent(tmp_path):
     s.write(tmp_path / "samples.csv")
     rows = list(csv.reader(open(tmp_path / "samples.csv")))
     assert tuple(rows[0]) == SAMPLE_COLUMNS and len(rows) > 25 and rows[1][1] == ""
+    s.write(tmp_path / "samples.csv.gz")  # as a run stores it: compressed, the same text
+    assert records.read_text(tmp_path / "samples.csv.gz") == (tmp_path / "samples.csv").read_text()
+    first = (tmp_path / "samples.csv.gz").read_bytes()
+    s.write(tmp_path / "samples.csv.gz")
+    assert (tmp_path / "samples.csv.gz").read_bytes() == first  # reproducible bytes (no date inside)
 
 
 # ---------------------------------------------------------------- systems

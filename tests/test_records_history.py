@@ -121,3 +121,53 @@ def test_the_checker_accepts_appended_columns(tmp_path):
     lines = text.split("\n")
     cut.write_text("\n".join(lines[:1] + lines[2:]))
     assert missing_lines(text, cut.read_text()) == [lines[1]]
+
+
+# ---------------------------------------------------------------- the files rows name
+
+FILE_COLUMNS = ("steps_file", "markers_file", "samples_file", "lanes_file", "log_file")
+
+
+def test_every_file_a_row_names_is_stored():
+    """Every file a recorded row names exists, as named or compressed beside it (`<name>.gz`,
+    records.stored): traces stored compressed never orphan a row."""
+    from dos.lab.bench import records
+
+    missing, n = [], 0
+    for f in sorted((ROOT / RESULTS).glob("*/runs.csv")):
+        for r in records.read_rows(f):
+            for c in FILE_COLUMNS:
+                if r.get(c):
+                    n += 1
+                    if records.stored(f.parent / r[c]) is None:
+                        missing.append(f"{f.parent.name}/{r[c]} ({r['run_id']}, {c})")
+    assert n > 1000 and not missing, missing[:10]
+
+
+def _blob_sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_trace_files_at_the_base_commit_keep_their_bytes():
+    """A trace file recorded at BASE is still there, as it was or gzip-compressed beside its name
+    (tools/compress_traces.py): its bytes, or gunzip's of the .gz, have BASE's git blob id."""
+    import gzip
+
+    tree = _git("ls-tree", "-r", BASE, "--", RESULTS)
+    if tree.returncode != 0:
+        pytest.skip(f"commit {BASE} is not in this clone (shallow?): {tree.stderr.strip()[:200]}")
+    checked, changed = 0, []
+    for line in tree.stdout.splitlines():
+        meta, path = line.split("\t", 1)
+        if not path.endswith(("/samples.csv", "/lanes.json")):
+            continue
+        sha = meta.split()[2]
+        p = ROOT / path
+        gz = p.with_name(p.name + ".gz")
+        data = p.read_bytes() if p.exists() else gzip.decompress(gz.read_bytes()) if gz.exists() else None
+        checked += 1
+        if data is None or _blob_sha(data) != sha:
+            changed.append(path)
+    assert checked > 100 and not changed, changed[:10]

@@ -59,7 +59,9 @@ def test_smoke_sweep_yields_valid_rows(tmp_path):
     assert '"offload_optimizer"' in ds["config"]
     for placement in ("cpu", "static", "interleaved", "gpu"):
         assert f'"placement":"{placement}"' in by[("dos", placement)]["plan"]
-    lanes = json.loads((out / by[("dos", "interleaved")]["lanes_file"]).read_text())
+    # the traces are stored compressed (the bulk of the records: the device's 64 MiB transfer)
+    assert all(by[k]["samples_file"].endswith("samples.csv.gz") for k in by)
+    lanes = json.loads(records.read_text(out / by[("dos", "interleaved")]["lanes_file"]))
     assert len(lanes) == 3 and all(x["events"] and x["step_phase_start_s"] > 0 for x in lanes)
     assert {e["lane"] for x in lanes for e in x["events"]} >= {"cpu"}
     pages = json.loads((out / by[("dos", "cpu")]["log_file"]).with_name("result.json").read_text())["host_pages"]

@@ -208,7 +208,9 @@ class Sampler:
         def fmt(x):
             return "" if x is None else (f"{x:.1f}" if isinstance(x, float) else x)
 
-        with open(path, "w", newline="") as f:
+        from dos.lab.bench.records import open_text_out
+
+        with open_text_out(path) as f:  # path ending in .gz: compressed
             w = csv.writer(f)
             w.writerow(COLUMNS)
             for t, *rest in self.rows:

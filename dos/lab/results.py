@@ -1,7 +1,7 @@
 """Recorded results -> tidy pandas DataFrames (DESIGN.md §5), for the figures.
 
 Everything reads what `dos.lab.sweep` wrote under `experiments/results/<sweep>/`: `runs.csv` (one row per
-run), `env.json`, and each run's folder (`steps.csv`, `markers.csv`, `samples.csv`, `lanes.json`).
+run), `env.json`, and each run's folder (`steps.csv`, `markers.csv`, `samples.csv[.gz]`, `lanes.json[.gz]`).
 Figures are built from rows with `status == ok` only; other rows are loaded only to mark where a
 configuration failed (an OOM in the micro-batch sweep), never for a number.
 
@@ -269,7 +269,7 @@ def run_file(row, column: str) -> Optional[Path]:
     if not isinstance(name, str) or not name:
         return None
     path = Path(row["results_dir"] if isinstance(row, dict) else row.results_dir) / name
-    return path if path.exists() else None
+    return records.stored(path)  # as named, or its .gz (a trace stored compressed)
 
 
 def steps(df: pd.DataFrame, keep: Sequence[str] = ("run_id", "key", "model", "system")) -> pd.DataFrame:
@@ -297,7 +297,7 @@ def lanes(row) -> pd.DataFrame:
     path = run_file(row, "lanes_file") if row is not None else None
     if path is None:
         return pd.DataFrame(columns=["step", "lane", "subgroup", "numel", "start_s", "end_s"])
-    return pd.DataFrame([e for x in json.loads(path.read_text()) for e in x["events"]])
+    return pd.DataFrame([e for x in json.loads(records.read_text(path)) for e in x["events"]])
 
 
 # ---------------------------------------------------------------- the performance model

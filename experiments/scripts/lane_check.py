@@ -32,6 +32,7 @@ import pandas as pd
 
 from dos import perfmodel as pm
 from dos.lab import results as R
+from dos.lab.bench import records
 from dos.trace import lane_totals
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -90,7 +91,7 @@ def check(sweep: str, calib: pm.Calibration):
     runs = runs[(runs.system == "dos") & (runs.placement != "gpu")]
     out, plans = [], []
     for r in runs.itertuples():
-        lanes_json = json.loads((RESULTS / sweep / r.run_id / "lanes.json").read_text())
+        lanes_json = json.loads(records.read_text(R.run_file(r._asdict(), "lanes_file")))
         plan, m = R.plan_of(r._asdict()), measured(lanes_json)
         p = pm.predict(plan, calib)
         plans.append(plan)

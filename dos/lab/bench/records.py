@@ -7,12 +7,21 @@ rewritten), and an old row reads its missing columns as "". `runs.csv` is only e
 fsync, so a sweep killed at any instant leaves every finished row intact; a torn final line (a kill
 inside the write) is not a row and is cut before the next append. A resumed sweep reads the run_ids
 already there and appends only the missing ones.
+
+A run's trace files (NVML samples, lane timelines) are the bulk of the records: they are stored
+gzip-compressed (`<name>.gz`, written by `open_text_out` without a name or date in the header, so
+the same trace gives the same bytes), and a reader finds a file a row names as `<name>` or
+`<name>.gz` (`stored`; `read_text`). Rows recorded before 2026-12-02 name the uncompressed file;
+its bytes are what `gunzip` of the `.gz` beside the row gives (`tools/compress_traces.py`, which
+checks that before it removes the original).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import fcntl
+import gzip
 import io
 import json
 import os
@@ -251,3 +260,41 @@ def write_env(out_dir) -> Path:
         tmp.write_text(json.dumps(environment(), indent=1, default=str))
         os.replace(tmp, path)
     return path
+
+
+# ---------------------------------------------------------------- trace files (gzip)
+
+def stored(path) -> Optional[Path]:
+    """Where the file a row names as `path` is stored: `path`, or `path` + ".gz" (a trace stored
+    compressed); None when neither exists."""
+    path = Path(path)
+    if path.exists():
+        return path
+    gz = path.with_name(path.name + ".gz")
+    return gz if gz.exists() else None
+
+
+def read_text(path) -> str:
+    """The text of a record file, `path` or its `.gz` (`stored`); FileNotFoundError when neither."""
+    found = stored(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} (nor {Path(path).name}.gz beside it)")
+    if found.suffix == ".gz":
+        with gzip.open(found, "rt") as f:  # universal newlines, as Path.read_text
+            return f.read()
+    return found.read_text()
+
+
+@contextlib.contextmanager
+def open_text_out(path):
+    """`with open_text_out(path) as f`: a text file to write; gzip-compressed when `path` ends in
+    .gz, with mtime 0 and no file name in the header (the same text gives the same bytes)."""
+    path = Path(path)
+    if path.suffix != ".gz":
+        with open(path, "w", newline="") as f:
+            yield f
+        return
+    with open(path, "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as z:
+            with io.TextIOWrapper(z, encoding="utf-8", newline="") as f:
+                yield f

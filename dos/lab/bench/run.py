@@ -3,7 +3,8 @@
 Builds the model and the system, runs the timing protocol with the sampler on, and writes into
 RUN_DIR: `result.json` (the row's measured fields; written last, atomically), `steps.csv` (per-step
 phase times and loss), `markers.csv` (every phase, init included, on the sampler's clock),
-`samples.csv` (NVML + host RSS trace) and `lanes.json` (dos per-subgroup lane timeline). A failure
+`samples.csv.gz` (NVML + host RSS trace) and `lanes.json.gz` (dos per-subgroup lane timeline; both
+gzip-compressed, `records.read_text`). A failure
 still writes `result.json` with status `oom` or `error`, and whatever trace was gathered until then.
 The sweep parent (dos.lab.sweep) turns it into a row; users call `python -m dos bench` instead.
 
@@ -218,8 +219,9 @@ class _Run:
         if self.sampler is not None:
             self.sampler.stop()
             summary.update(self.sampler.summary(host_since=train_start))
-            self.sampler.write(self.run_dir / "samples.csv")
-            self.res["files"]["samples_file"] = "samples.csv"
+            # traces are the bulk of the records: stored compressed (records.stored / read_text)
+            self.sampler.write(self.run_dir / "samples.csv.gz")
+            self.res["files"]["samples_file"] = "samples.csv.gz"
 
 
 def host_pages() -> dict:
@@ -270,8 +272,11 @@ def _write_artifacts(run_dir: Path, clock, times, lanes, res) -> None:
         starts = {t.step: t.start_s + t.fwd_s + t.bwd_s for t in times}
         for x in lanes:
             x["step_phase_start_s"] = starts.get(x["step"])
-        (run_dir / "lanes.json").write_text(json.dumps(lanes, separators=(",", ":"), default=str))
-        res["files"]["lanes_file"] = "lanes.json"
+        from dos.lab.bench.records import open_text_out
+
+        with open_text_out(run_dir / "lanes.json.gz") as f:
+            f.write(json.dumps(lanes, separators=(",", ":"), default=str))
+        res["files"]["lanes_file"] = "lanes.json.gz"
 
 
 def die_with_parent() -> None:
