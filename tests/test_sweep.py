@@ -64,8 +64,12 @@ def test_smoke_sweep_yields_valid_rows(tmp_path):
     lanes = json.loads(records.read_text(out / by[("dos", "interleaved")]["lanes_file"]))
     assert len(lanes) == 3 and all(x["events"] and x["step_phase_start_s"] > 0 for x in lanes)
     assert {e["lane"] for x in lanes for e in x["events"]} >= {"cpu"}
-    pages = json.loads((out / by[("dos", "cpu")]["log_file"]).with_name("result.json").read_text())["host_pages"]
+    result = json.loads((out / by[("dos", "cpu")]["log_file"]).with_name("result.json").read_text())
+    pages = result["host_pages"]
     assert set(pages) == {"after_init", "after_steps"} and pages["after_steps"]["rss_gib"] > 0
+    # where the system's init went: the engine's constructor among the slowest calls, in seconds
+    assert any("engine.py" in k and "__init__" in k for k in result["init_profile"])
+    assert all(v >= 0 for v in result["init_profile"].values())
     log = (out / by[("dos", "cpu")]["log_file"]).read_text()  # where a run killed in flight was
     assert "] init_system" in log and "] step 0" in log
     assert (out / "env.json").exists()

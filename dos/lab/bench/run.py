@@ -18,6 +18,7 @@ there.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import ctypes
 import json
@@ -182,7 +183,7 @@ class _Run:
             model = models.build_model(p, device, spec.seq_len, dtype, spec.checkpointing)
         res["n_params"] = sum(t.numel() for t in model.parameters())
         res["model_record"] = models.model_record(p)
-        with clock.phase("init_system"):
+        with clock.phase("init_system"), _profiled(res, "init_profile"):
             self.system = system = systems.build(spec, model, device)
         res.update(system.describe())
         res["init_s"] = sum(e - s for _, _, s, e in clock.markers)  # only init phases so far
@@ -222,6 +223,30 @@ class _Run:
             # traces are the bulk of the records: stored compressed (records.stored / read_text)
             self.sampler.write(self.run_dir / "samples.csv.gz")
             self.res["files"]["samples_file"] = "samples.csv.gz"
+
+
+@contextlib.contextmanager
+def _profiled(res: dict, key: str, top: int = 12):
+    """res[key]: the `top` functions of the calling thread by cumulative seconds while the block
+    ran ("file:line(function)": seconds), so that a run on the device says where its init went
+    (a dos run at ~3.5B spent 14 s there: allocation, pinning, copies, the kernel's load? Measured
+    in situ, not guessed). Worker threads show as the main thread's wait inside their caller."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        prof.enable()
+    except ValueError:  # another profiler holds the interpreter's hook (Python 3.12): run unprofiled
+        yield
+        return
+    try:
+        yield
+    finally:
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+        res[key] = {f"{Path(f).name}:{line}({name})": round(ct, 3) for (f, line, name), (_, _, _, ct, _) in ranked}
 
 
 def host_pages() -> dict:
