@@ -226,6 +226,11 @@ def test_results_table_shows_headline_batches_or_names_the_sweeps_to_run(tmp_pat
     from dos.lab import plots_headline
     df = results.rows([tmp_path / "headline-3b"])
     assert set(plots_headline.latest_batch(df)["batch_id"]) == {"B-new"}
+    fig = plots_headline.headline_figure(df, str(tmp_path / "fig"), sweeps=("headline-1.3b", "headline-3b"))
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[0] == "headline-1.3b"  # no records: the panel names the sweep to run
+    assert titles[1].startswith("3B, batch B-new") and "no fp32 offload baseline" in titles[1]
+    assert (tmp_path / "fig" / "15-headline.png").exists()
 
 
 def test_superseded_rows_are_ignored_by_readers(tmp_path):

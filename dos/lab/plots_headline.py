@@ -54,18 +54,17 @@ def _panel(ax, g: pd.DataFrame) -> None:
 
 def headline_figure(df: pd.DataFrame, out: Optional[str] = None, sweeps: Sequence[str] = (), note: str = ""):
     """One panel per headline sweep (`sweeps`: names, in order; its rows are those whose results
-    directory has that name), its latest batch; a sweep without records gets a panel naming it.
-    Smoke data (no sweep names match): one panel per batch."""
+    directory has that name): its latest batch, or a panel naming the sweep to run. Where no sweep
+    has records (smoke data, other names), one panel: the latest batch in `df`."""
     src = df["results_dir"].map(lambda p: Path(p).name) if len(df) else pd.Series(dtype=str)
-    panels = [(s, df[src.eq(s)]) for s in sweeps] if sweeps else []
-    if not sweeps or all(not len(latest_batch(g)) for _, g in panels):
-        if len(latest_batch(df)):  # smoke data or other names: the batches there
-            panels = [(b, g) for b, g in latest_batch(df).groupby("batch_id", sort=False)] or panels
+    panels = [(s, latest_batch(df[src.eq(s)])) for s in sweeps]
+    if not any(len(g) for _, g in panels) and len(latest_batch(df)):
+        g = latest_batch(df)
+        panels = [(g["batch_id"].iloc[0], g)]
     panels = panels or [("headline-3b", df.iloc[0:0])]
-    rows = max([len(R.summary(latest_batch(g))) if len(latest_batch(g)) else 3 for _, g in panels])
+    rows = max(g.groupby(["key", "config_id"]).ngroups if len(g) else 3 for _, g in panels)
     fig, axes = figure(len(panels), 1, w=7.2, h=0.3 * rows + 1.0)
     for ax, (name, g) in zip(axes[:, 0], panels):
-        g = latest_batch(g)
         if len(g):
             _panel(ax, g)
         else:
