@@ -317,7 +317,7 @@ def test_a_killed_runs_log_is_kept_when_its_folder_is_cleared(tmp_path):
     assert "stuck" not in (tmp_path / rid / "log.txt").read_text()
 
 
-def test_a_sweep_with_a_deadline_starts_no_run_it_expects_to_end_later(tmp_path):
+def test_a_sweep_with_a_deadline_starts_no_run_it_expects_to_end_later(tmp_path, monkeypatch):
     """--stop-by-s (a device call's time left): a run whose configuration took longer than what
     is left, by the rows recorded, is deferred to the next call instead of being killed in flight;
     a configuration never recorded runs while a second is left (nothing to expect)."""
@@ -333,6 +333,19 @@ def test_a_sweep_with_a_deadline_starts_no_run_it_expects_to_end_later(tmp_path)
     assert counts == {"already": 1, "deferred": 2}
     assert len(records.read_rows(tmp_path / "runs.csv")) == 1
     assert sw.run(more, tmp_path, progress=False, allow_dirty=True, stop_by_s=600).get("ok") == 2
+    # a sweep's first round has no rows of its own: other sweeps' records of the system at that
+    # model, else the longest run of any system there (deferred rather than killed in flight)
+    rows = records.read_rows(tmp_path / "runs.csv")
+    other = sw.parse(dict(doc, runs=[{"system": "torch-cpu", "seed": 7}, {"system": "dos", "placement": "cpu"}]), "o")
+    walls = [float(r["wall_s"]) for r in rows]
+    assert sw.expected_s(other.runs[0], [], rows) == pytest.approx(sorted(walls)[1] + sw.RUN_OVERHEAD_S)
+    assert sw.expected_s(other.runs[1], [], rows) == pytest.approx(max(walls) + sw.RUN_OVERHEAD_S)
+    assert sw.expected_s(other.runs[1], [], []) == 0.0
+    for name in ("a", "b"):  # two sweeps' results side by side
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "runs.csv", tmp_path / name / "runs.csv")
+    monkeypatch.setattr(sw, "RESULTS", tmp_path / "no-repository-records")
+    assert len(sw.other_rows(tmp_path / "b")) == len(rows)  # a's rows, not b's own
 
 
 def test_every_sweep_file_loads_and_is_named_after_itself():

@@ -312,7 +312,7 @@ def results_table(root="experiments/results") -> str:
     return "\n".join(lines) + "\n" + headline_section(dirs)
 
 
-HEADLINE_SWEEPS = ("headline-1.3b", "headline-3b", "headline-5b", "headline-5b-fp32")
+HEADLINE_SWEEPS = ("headline-1.3b", "headline-3b", "headline-3b-fp32", "headline-5b", "headline-5b-fp32")
 
 
 def headline_section(dirs) -> str:

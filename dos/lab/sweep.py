@@ -304,11 +304,12 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
         return counts
     out_dir.mkdir(parents=True, exist_ok=True)
     records.write_env(out_dir)
+    elsewhere = other_rows(out_dir) if deadline is not None else []
     bar = _bar(len(sweep.runs), counts["already"], progress)
     restore = _terminate_as_exit()
     try:
         for k, spec in enumerate(todo):
-            need = expected_s(spec, records.read_rows(csv_path)) if deadline is not None else 0.0
+            need = expected_s(spec, records.read_rows(csv_path), elsewhere) if deadline is not None else 0.0
             if deadline is not None and time.monotonic() + max(need, 1.0) > deadline:
                 counts["deferred"] = len(todo) - k
                 bar.write(f"stopping: the next run ({spec.label()}) takes ~{need:.0f} s, "
@@ -344,21 +345,43 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
 RUN_OVERHEAD_S = 15.0  # a run's process start, imports before its clock, teardown, the preflight
 
 
-def expected_s(spec: RunSpec, rows: Sequence[dict]) -> float:
+def expected_s(spec: RunSpec, rows: Sequence[dict], elsewhere: Sequence[dict] = ()) -> float:
     """Seconds `spec` is expected to take, from the rows already recorded: the median wall time of
     the ok rows of the same configuration (every setting but the repeat), else of every ok row of
-    the same system and model, plus RUN_OVERHEAD_S; 0 where nothing alike was recorded."""
+    the same system and model, else of those rows in `elsewhere` (other sweeps' records: a sweep's
+    first round has none of its own), else the longest ok run of any system at that model (a
+    system never recorded there: better deferred than killed in flight), plus RUN_OVERHEAD_S; 0
+    where nothing at that model was recorded."""
     import statistics
 
     mine = spec.to_dict()
-    ok = [((json.loads(r["config"]).get("run") or {}) if r.get("config", "").startswith("{") else {},
-           float(r["wall_s"])) for r in rows if r.get("status") == "ok" and r.get("wall_s")]
-    exact = [k for k in mine if k != "repeat"]
-    for keys in (exact, ("system", "model", "model_overrides", "device")):
-        walls = [w for run, w in ok if all(run.get(k) == mine.get(k) for k in keys)]
+
+    def ok(rs):
+        return [((json.loads(r["config"]).get("run") or {}) if r.get("config", "").startswith("{") else {},
+                 float(r["wall_s"])) for r in rs if r.get("status") == "ok" and r.get("wall_s")]
+
+    alike, shape = ("system", "model", "model_overrides", "device"), ("model", "model_overrides", "device")
+    here, there = ok(rows), ok(elsewhere)
+    for found, keys in ((here, [k for k in mine if k != "repeat"]), (here, alike), (there, alike)):
+        walls = [w for run, w in found if all(run.get(k) == mine.get(k) for k in keys)]
         if walls:
             return statistics.median(walls) + RUN_OVERHEAD_S
-    return 0.0
+    # a system never recorded at this shape: as long as the longest run recorded at it
+    walls = [w for run, w in here + there if all(run.get(k) == mine.get(k) for k in shape)]
+    return max(walls) + RUN_OVERHEAD_S if walls else 0.0
+
+
+def other_rows(out_dir: Path) -> List[dict]:
+    """The rows of the other sweeps' runs.csv beside `out_dir` and under the repository's
+    experiments/results (a device call's results dir lies outside the checkout), each sweep once
+    (beside `out_dir` first): what a sweep's first runs are expected to take."""
+    names, rows = {Path(out_dir).name}, []
+    for d in (Path(out_dir).parent, RESULTS):
+        for f in sorted(d.glob("*/runs.csv")) if d.is_dir() else []:
+            if f.parent.name not in names:
+                names.add(f.parent.name)
+                rows.extend(records.read_rows(f))
+    return rows
 
 
 def _keep_killed_log(run_dir: Path) -> None:
