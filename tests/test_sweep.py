@@ -70,6 +70,7 @@ def test_smoke_sweep_yields_valid_rows(tmp_path):
     # where the system's init went: the engine's constructor among the slowest calls, in seconds
     assert any("engine.py" in k and "__init__" in k for k in result["init_profile"])
     assert all(v >= 0 for v in result["init_profile"].values())
+    assert result["gc_frozen_objects"] > 10000  # imports and init: out of the measured steps' GC
     log = (out / by[("dos", "cpu")]["log_file"]).read_text()  # where a run killed in flight was
     assert "] init_system" in log and "] step 0" in log
     assert (out / "env.json").exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import ctypes
+import gc
 import json
 import os
 import resource
@@ -190,6 +191,14 @@ class _Run:
         res["host_pages"] = {"after_init": host_pages()}
         data, res["data_record"] = models.batches(spec.data, spec.warmup + spec.steps, spec.micro_batch,
                                                   spec.seq_len, p.vocab, spec.seed + _rank())
+        # The imports' and init's objects become permanent for the cyclic GC: a full collection of
+        # them (~0.2 s here with transformers loaded, ~0.35 s on the H200's host) otherwise stalls
+        # one step of every run, around step 7-9 (every run of planner-deep-3.5b, session 11):
+        # inside a fixed plan's warm-up, but inside stride auto's exploration, whose recorded cost
+        # it inflated. Large-model training loops do the same (manual or frozen GC).
+        gc.collect()
+        gc.freeze()
+        res["gc_frozen_objects"] = gc.get_freeze_count()
 
         def after_step(i):
             if i >= spec.warmup:
