@@ -29,6 +29,7 @@ Invariants that keep a fork as good as a fresh process:
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -204,6 +205,10 @@ def serve() -> int:
             importlib.import_module(name)
         except ImportError:
             pass
+    # the imports' objects into the GC's permanent generation before any fork: a child's full
+    # collections skip them (and do not copy every page of the shared heap to write GC headers)
+    gc.collect()
+    gc.freeze()
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
