@@ -87,7 +87,8 @@ def _online(row) -> dict:
 def planner_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """`planner_runs` from rows already loaded with `dos.lab.results.rows` (ok, not superseded)."""
     cols = ["shape", "batch_id", "boot_id", "gpu_uuid", "config", "repeat", "order", "iter_s", "iter_incl_s",
-            "step_s", "fwd_bwd_s", "predicted_step_s", "plan", "kept", "explore_steps", "explore_s", "refined_predicted_s",
+            "step_s", "fwd_bwd_s", "predicted_step_s", "plan", "kept", "explore_steps", "explore_s",
+            "refined_predicted_s",
             "warmup", "steps", "iters", "own_shape", "model", "gpu_mem_cap_gib", "n_params", "run_id",
             "timestamp", "results_dir", "gpu_name", "date", "smoke"]
     d = rows[rows["system"].eq("dos") & rows["placement"].isin(["cpu", "interleaved"])] if len(rows) else []
@@ -197,7 +198,8 @@ def _batches(df: pd.DataFrame) -> list:
                     "fixed_spread_max": spread.max() if len(spread) else math.nan,
                     # what the plan controls (the update phase) and what it does not (forward and
                     # backward: the same GPU work in every run of a shape, so its spread is the host's)
-                    "auto_step_vs_best": (auto["step_s"].median() / fixed[fixed["config"].eq(best)]["step_s"].median() - 1
+                    "auto_step_vs_best": (auto["step_s"].median()
+                                          / fixed[fixed["config"].eq(best)]["step_s"].median() - 1
                                           if best is not None and len(auto) else math.nan),
                     "fwd_bwd_spread": ((g["fwd_bwd_s"].max() - g["fwd_bwd_s"].min()) / g["fwd_bwd_s"].median()
                                        if g["fwd_bwd_s"].notna().any() else math.nan),
@@ -216,8 +218,8 @@ def planner_check(df: pd.DataFrame) -> CheckTable:
     comparison: `fixed_spread` (median over the fixed plans of (max - min) / median of their
     runs) and `fixed_spread_max`; beside them what the plan controls and what it does not:
     `auto_step_vs_best` (auto's median update phase over the best fixed plan's) and
-    `fwd_bwd_spread` ((max - min) / median of forward + backward over the batch's runs). PASS when auto_vs_best <= 0.05 and the protocol
-    held: >= 3 runs of each of cpu, k=1,2,3,4,6, auto; one warm-up and step count for all (the
+    `fwd_bwd_spread` ((max - min) / median of forward + backward over the batch's runs). PASS
+    when auto_vs_best <= 0.05 and the protocol held: >= 3 runs of each of cpu, k=1,2,3,4,6, auto; one warm-up and step count for all (the
     comparison unit of iter_incl_s); round-robin order. `why` names what missed. `df`:
     `planner_runs` output. Raises on empty input."""
     require_rows(df, "planner_check")

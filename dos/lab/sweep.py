@@ -24,8 +24,9 @@ unless `--allow-dirty` (or DOS_ALLOW_DIRTY=1) is given; the row's git_sha says s
 
 Every run is a child process (`dos.lab.child`: a fork of the `zygote` server or `python -m
 dos.lab.bench.run`; its own process group); the parent appends its row. Finished run_ids are not
-run again (within the named batch, where one is named), so a killed sweep reruns only what was in flight; SIGTERM (e.g. `timeout`) kills the
-run in flight with its whole process group before the sweep exits. Runs that cannot fit in host
+run again (within the named batch, where one is named), so a killed sweep reruns only what was in
+flight; SIGTERM (e.g. `timeout`) kills the run in flight with its whole process group before the
+sweep exits. Runs that cannot fit in host
 memory, or cannot run on this machine, become `skipped` rows with the reason; a resumed sweep
 checks those again (on a larger machine they run, their new row superseding the skipped one; still
 skipped, no row is added). The host-memory preflight waits while available memory is still growing
