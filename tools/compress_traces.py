@@ -14,6 +14,8 @@ import gzip
 import sys
 from pathlib import Path
 
+from dos.lab.bench import records
+
 NAMES = ("samples.csv", "lanes.json")
 
 
@@ -21,7 +23,7 @@ def compress(path: Path) -> int:
     """`path` -> `path`.gz (reproducible bytes), verified, then `path` removed; bytes saved."""
     data = path.read_bytes()
     gz = path.with_name(path.name + ".gz")
-    with open(gz, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as z:
+    with open(gz, "wb") as raw, gzip.GzipFile(mode="wb", fileobj=raw, **records.GZIP_KW) as z:
         z.write(data)
     if gzip.decompress(gz.read_bytes()) != data:
         gz.unlink()

@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from dos.lab.results import NO_OFFLOAD, _run_field, baseline_key, headline_ratios, require_rows, stride_panels
+from dos.lab.results import (INTERLEAVED, NO_OFFLOAD, _run_field, baseline_key, headline_ratios, require_rows,
+                             stride_panels)
 from dos.lab.verdicts import MISS, PASS, CheckTable, _check_table  # noqa: F401  (checks.CheckTable: API)
 
 
@@ -204,7 +205,7 @@ HEADLINE_TARGET = 0.40
 baseline (medians, same batch), at 3B and at the ~5B shape."""
 
 
-def headline_check(df: pd.DataFrame, keys: Sequence[str] = ("dos-interleaved", "dos-interleaved-overlap"),
+def headline_check(df: pd.DataFrame, keys: Sequence[str] = INTERLEAVED,
                    target: float = HEADLINE_TARGET, models: Optional[Sequence[str]] = ("3B", "5B")) -> CheckTable:
     """Issue 16, criterion 2, per batch and model (of `models`; None: all): each of `keys` (dos
     interleaved without resident state; the headline sweeps run it with the CPU lane started

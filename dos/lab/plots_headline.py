@@ -46,7 +46,7 @@ def _panel(ax, g: pd.DataFrame) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, float(summ["max"].max()) * 1.6)  # room for the numbers
     ax.set(xlabel="iteration (s): bar the median, dots the runs")
-    h = R.headline_ratios(g, keys=("dos-interleaved-overlap", "dos-interleaved"))
+    h = R.headline_ratios(g, keys=R.INTERLEAVED)
     vs = (f"dos interleaved {h['vs_baseline'].iloc[0]:.2f}x {label(h['baseline'].iloc[0])}"
           if len(h) else "no fp32 offload baseline in this batch")
     ax.set_title(f"{g['model'].iloc[0]}, batch {g['batch_id'].iloc[0]}\n{vs}", fontsize=8)

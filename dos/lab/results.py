@@ -407,6 +407,9 @@ def ratio(summ: pd.DataFrame, key: str, baseline: str, model: Optional[str] = No
     return float(a["median"].iloc[0] / b["median"].iloc[0])
 
 
+INTERLEAVED = ("dos-interleaved", "dos-interleaved-overlap")
+"""dos interleaved without resident state, its CPU lane started in step() or during backward
+(issue 16 criterion 2's row)."""
 DOS_HEADLINE = ("dos-interleaved", "dos-interleaved-overlap", "dos-auto", "dos-auto-overlap", "dos-cpu",
                 "dos-cpu-overlap")
 """The dos rows of a headline batch, in the CPU lane's two starts (step() or during backward)."""

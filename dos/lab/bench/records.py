@@ -285,6 +285,10 @@ def read_text(path) -> str:
     return found.read_text()
 
 
+GZIP_KW = dict(filename="", mtime=0, compresslevel=9)
+"""A gzip member without a name or date in its header: the same bytes in, the same bytes out."""
+
+
 @contextlib.contextmanager
 def open_text_out(path):
     """`with open_text_out(path) as f`: a text file to write; gzip-compressed when `path` ends in
@@ -295,6 +299,6 @@ def open_text_out(path):
             yield f
         return
     with open(path, "wb") as raw:
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as z:
+        with gzip.GzipFile(mode="wb", fileobj=raw, **GZIP_KW) as z:
             with io.TextIOWrapper(z, encoding="utf-8", newline="") as f:
                 yield f
