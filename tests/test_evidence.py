@@ -180,13 +180,16 @@ def test_summary_ratios_within_one_batch_and_the_fastest_baseline_of_equal_preci
 
 def test_headline_check_pass_miss_and_empty(tmp_path):
     _batch(tmp_path, MEDIANS)
-    chk = checks.headline_check(results.rows(tmp_path))
+    chk = checks.headline_check(results.rows(tmp_path), models=("3B",))
     assert chk.verdict == "PASS" and list(chk["verdict"]) == ["PASS"]
+    chk = checks.headline_check(results.rows(tmp_path))  # the criterion holds at 3B and ~5B: 5B has no batch
+    assert chk.verdict == "MISS" and list(chk["model"]) == ["3B", "5B"] and list(chk["verdict"]) == ["PASS", "MISS"]
+    assert chk["batch_id"].iloc[1] == "(none recorded)"
     slow = {**MEDIANS, "dos-interleaved": ("dos", {"placement": "interleaved"}, 1.2)}
     _batch(tmp_path / "slow", slow)
-    assert checks.headline_check(results.rows(tmp_path / "slow")).verdict == "MISS"
+    assert checks.headline_check(results.rows(tmp_path / "slow"), models=("3B",)).verdict == "MISS"
     _batch(tmp_path / "few", MEDIANS, runs=2)  # fewer than 3 runs: no evidence
-    assert checks.headline_check(results.rows(tmp_path / "few")).verdict == "MISS"
+    assert checks.headline_check(results.rows(tmp_path / "few"), models=("3B",)).verdict == "MISS"
     with pytest.raises(ValueError, match="empty input"):
         checks.headline_check(results.rows(tmp_path / "none"))
 
@@ -198,13 +201,13 @@ def test_headline_check_grades_dos_interleaved_overlapped_with_backward(tmp_path
     over = {k: v for k, v in MEDIANS.items() if k != "dos-interleaved"}
     over["dos-interleaved-overlap"] = ("dos", {"placement": "interleaved", "overlap_backward": True}, 0.7)
     _batch(tmp_path, over)
-    chk = checks.headline_check(results.rows(tmp_path))
+    chk = checks.headline_check(results.rows(tmp_path), models=("3B",))
     assert list(chk["key"]) == ["dos-interleaved-overlap"] and chk.verdict == "PASS"
     assert chk["vs_baseline"].iloc[0] == pytest.approx(0.7 / 2.4)
     alone = {k: over[k] for k in ("dos-interleaved-overlap", "torchao-cpu-offload")}  # bf16 baseline only
     _batch(tmp_path / "alone", alone)
-    chk = checks.headline_check(results.rows(tmp_path / "alone"))
-    assert not len(chk) and chk.verdict == "MISS"
+    chk = checks.headline_check(results.rows(tmp_path / "alone"), models=("3B",))
+    assert list(chk["batch_id"]) == ["(none recorded)"] and chk.verdict == "MISS"
 
 
 def test_results_table_shows_headline_batches_or_names_the_sweeps_to_run(tmp_path):

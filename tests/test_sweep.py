@@ -437,6 +437,33 @@ def test_runs_are_forks_of_an_importing_server_and_fall_back_to_exec(tmp_path, m
     assert not zygote.enabled()
 
 
+def test_fork_server_hides_imports_that_initialise_cuda(tmp_path):
+    """dos.lab.zygote: while the server imports, the HIDDEN packages (torchao: its import asks the
+    GPU's capability, and transformers imports it wherever it is installed) look absent; a run imports
+    them normally after the fork. A server whose imports initialised CUDA anyway does not start and
+    names the import (every fork would be a bad one)."""
+    (tmp_path / "torchao").mkdir()
+    (tmp_path / "torchao" / "__init__.py").write_text("OK = True\n")
+    (tmp_path / "probe.py").write_text(
+        "import importlib.util\nSPEC = importlib.util.find_spec('torchao')\n"
+        "try:\n    import torchao\n    FOUND = True\nexcept ImportError:\n    FOUND = False\n")
+    (tmp_path / "initcuda.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(sw.__file__).parents[2])])}
+
+    def serve(preload):
+        code = (f"import sys\nfrom dos.lab import zygote\nzygote.PRELOAD = {preload!r}\nrc = zygote.serve()\n"
+                "import probe, torchao\n"
+                "print('RESULT', rc, probe.SPEC, probe.FOUND, torchao.OK, file=sys.stderr)\n")
+        return subprocess.run([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=300)
+
+    r = serve(["torch", "probe"])
+    assert r.stdout.strip() == "ready" and "RESULT 0 None False True" in r.stderr, r.stderr[-2000:]
+    r = serve(["torch", "initcuda", "probe"])
+    assert r.stdout.strip() == "" and "importing initcuda initialised CUDA" in r.stderr, r.stderr[-2000:]
+    assert "RESULT 1" in r.stderr
+
+
 @pytest.mark.slow
 def test_device_call_script_continues_a_batch_across_calls_and_refuses_one_it_lost(tmp_path):
     """experiments/scripts/h200_call.sh, as a device call runs it (here on the CPU): each call gets

@@ -211,7 +211,8 @@ def headline_check(df: pd.DataFrame, keys: Sequence[str] = INTERLEAVED,
     interleaved without resident state; the headline sweeps run it with the CPU lane started
     during backward, `-overlap`) recorded there, its median over the fastest offload baseline of
     equal state precision, PASS when <= `target` with >= 3 runs of each. Raises on empty input;
-    a batch without such a row or baseline gives no row (an empty table is a MISS)."""
+    a batch without such a row or baseline gives no row, and each of `models` with no row gets a
+    MISS row saying so (the criterion holds at every one of them)."""
     require_rows(df, "headline_check")
     h = headline_ratios(df, keys=tuple(keys))
     if models is not None and len(h):
@@ -222,6 +223,12 @@ def headline_check(df: pd.DataFrame, keys: Sequence[str] = INTERLEAVED,
         r.update(target=f"vs fastest {r['state_dtype']} offload baseline <= {target} (median, >= 3 runs, one batch)",
                  verdict=PASS if r["vs_baseline"] <= target and enough else MISS)
         out.append(r)
+    seen = set(h["model"]) if len(h) else set()
+    for model in [m for m in (models or ()) if m not in seen]:
+        out.append({"batch_id": "(none recorded)", "model": model, "key": keys[0], "vs_baseline": float("nan"),
+                    "target": f"vs fastest fp32 offload baseline <= {target} (median, >= 3 runs, one batch)",
+                    "verdict": MISS, "note": "no batch of this model with dos interleaved and an offload "
+                                             "baseline of its state precision"})
     return _check_table(out, ("batch_id", "model", "key", "vs_baseline"))
 
 

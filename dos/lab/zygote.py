@@ -22,6 +22,12 @@ Invariants that keep a fork as good as a fresh process:
 - The child makes itself a session leader at once (its process group is what a timeout kills, as
   with `start_new_session`), takes the run's environment whole, writes fds 1 and 2 to the run's
   log and reads nothing. DeepSpeed is not preloaded: its import probes accelerators.
+- Packages whose import initialises CUDA are hidden while the server imports (`HIDDEN`): torchao
+  0.18 asks the device's capability at import, and transformers imports torchao wherever it is
+  installed (transformers.quantizers); with the DeepSpeed wheels carried (which bring torchao),
+  every run of a 2026-12-02 headline batch ran by exec (~65 s a run instead of ~40). A run that
+  needs one imports it itself, after the fork. A server whose imports initialised CUDA anyway
+  does not start (the sweep runs by exec, and says which import did it).
 - A run's `init_s` no longer includes those imports (they happened before the fork).
 
 `DOS_ZYGOTE=0` turns it off (every run by exec, as before session 10).
@@ -40,6 +46,10 @@ from typing import Optional
 
 PRELOAD = ["torch", "transformers.models.llama.modeling_llama", "dos", "dos.lab.bench.run",
            "dos.lab.bench.models", "dos.lab.bench.systems", "dos.lab.bench.timing", "dos.lab.nvml"]
+# Hidden from the server's imports (sys.modules[name] = None: `import` raises ImportError and
+# importlib.util.find_spec returns None, so transformers takes them for absent); unhidden before the
+# first fork, so that a run imports them normally (transformers keeps its answer, which no run needs).
+HIDDEN = ("torchao", "deepspeed")
 BAD_FORK = 75  # the child's exit code when it cannot use CUDA after the fork (EX_TEMPFAIL)
 READY_S = 600.0  # the server's imports (~25 s on the H200 image)
 
@@ -195,16 +205,35 @@ def _child(req: dict, proto_fd: int) -> None:
     os._exit(rc or 0)
 
 
+def _preload() -> bool:
+    """Import PRELOAD with HIDDEN hidden; False where an import initialised CUDA."""
+    hidden = [name for name in HIDDEN if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
+    try:
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():  # every child: a bad fork
+                print(f"zygote: importing {name} initialised CUDA; runs start by exec", file=sys.stderr)
+                return False
+        return True
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
 def serve() -> int:
     # The protocol gets its own descriptor; fd 1 goes to stderr, so that whatever an import prints
     # cannot be taken for a reply.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    if not _preload():
+        return 1
     # the imports' objects into the GC's permanent generation before any fork: a child's full
     # collections skip them (and do not copy every page of the shared heap to write GC headers)
     gc.collect()
