@@ -47,6 +47,12 @@ def test_source_notebook_is_clean(path):
     for stmt in ast.parse(params[0].source).body:  # papermill injects after it: literals only
         assert isinstance(stmt, ast.Assign) and len(stmt.targets) == 1, ast.dump(stmt)
         ast.literal_eval(stmt.value)
+    # papermill's own parse (`papermill --help-notebook`, and the warning every `dos run` printed
+    # for a comment holding "="): every parameter found, with its help
+    from papermill.translators import PythonTranslator
+
+    found = [q.name for q in PythonTranslator.inspect(params[0])]
+    assert found == [t.id for s in ast.parse(params[0].source).body for t in s.targets], found
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, "committed without outputs"

@@ -455,12 +455,12 @@ def batch_table(df: pd.DataFrame) -> str:
              "|---|---|---|---|---:|---:|---|---|"]
     for (batch, model), g in summ.groupby(["batch_id", "model"], sort=False):
         for _, r in g.iterrows():
-            base = g[g["key"].isin(OFFLOAD_BASELINES) & g["state_dtype"].eq(r["state_dtype"])
-                     & g["key"].ne(r["key"])]
+            base = g[g["key"].isin(OFFLOAD_BASELINES) & g["state_dtype"].eq(r["state_dtype"])]
             vs = ""
             if len(base):
                 b = base.loc[base["median"].idxmin()]
-                vs = f"{r['median'] / b['median']:.2f}x {_label(b['key'])}"
+                vs = (f"(the fastest {r['state_dtype']} offload baseline)" if b["key"] == r["key"] else
+                      f"{r['median'] / b['median']:.2f}x {_label(b['key'])}")
             name = _label(r["key"]) + (f", ratio {r['ratio']:g}" if r["key"] == "deepspeed-twinflow" else "")
             lines.append(f"| {batch} | {model} | {name} | {r['state_dtype']} | {r['runs']} | {r['median']:.3f} | "
                          f"{r['min']:.3f}-{r['max']:.3f} | {vs} |")

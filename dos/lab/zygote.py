@@ -23,9 +23,9 @@ Invariants that keep a fork as good as a fresh process:
   with `start_new_session`), takes the run's environment whole, writes fds 1 and 2 to the run's
   log and reads nothing. DeepSpeed is not preloaded: its import probes accelerators.
 - Packages whose import initialises CUDA are hidden while the server imports (`HIDDEN`): torchao
-  0.18 asks the device's capability at import, and transformers imports torchao wherever it is
-  installed (transformers.quantizers); with the DeepSpeed wheels carried (which bring torchao),
-  every run of a 2026-12-02 headline batch ran by exec (~65 s a run instead of ~40). A run that
+  0.18 asks the device's capability at import (prototype/mx_formats/kernels.py), and transformers
+  imports torchao wherever it is installed (transformers.quantizers); with the DeepSpeed wheels
+  carried (which bring torchao), every run of a 2026-12-02 headline batch ran by exec. A run that
   needs one imports it itself, after the fork. A server whose imports initialised CUDA anyway
   does not start (the sweep runs by exec, and says which import did it).
 - A run's `init_s` no longer includes those imports (they happened before the fork).
