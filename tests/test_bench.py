@@ -158,14 +158,50 @@ def test_sampler_without_nvml_records_host_and_absent(tmp_path):
         pytest.skip("this machine has NVML")
     assert summary["nvml"].startswith("absent")
     assert summary["sample_hz"] > 50 and summary["peak_host_sampled_gib"] > 0
+    # the host's CPU: percentages of all its CPUs, "other" excluding this process's own work
+    assert 0 <= summary["host_cpu_steal_pct"] <= 100 and 0 <= summary["host_cpu_other_pct"] <= 100
     s.write(tmp_path / "samples.csv")
     rows = list(csv.reader(open(tmp_path / "samples.csv")))
     assert tuple(rows[0]) == SAMPLE_COLUMNS and len(rows) > 25 and rows[1][1] == ""
+    assert SAMPLE_COLUMNS[-3:] == ("host_cpu_busy_pct", "host_cpu_steal_pct", "host_cpu_other_pct")
+    assert any(r[-3] != "" for r in rows[1:])
     s.write(tmp_path / "samples.csv.gz")  # as a run stores it: compressed, the same text
     assert records.read_text(tmp_path / "samples.csv.gz") == (tmp_path / "samples.csv").read_text()
     first = (tmp_path / "samples.csv.gz").read_bytes()
     s.write(tmp_path / "samples.csv.gz")
     assert (tmp_path / "samples.csv.gz").read_bytes() == first  # reproducible bytes (no date inside)
+
+
+def test_host_cpu_tells_the_runs_own_work_from_the_hosts():
+    """HostCpu: while this process spins one CPU, busy rises by about one CPU's share and
+    `other` (busy minus this process's CPU) stays below it; a fake /proc/stat gives exact numbers."""
+    import types
+
+    from dos.lab import nvml
+
+    ticks = iter([(100.0, 800.0, 10.0), (160.0, 820.0, 30.0)])  # (user+system, idle, steal) seconds
+
+    def fake_times():
+        u, i, st = next(ticks)
+        return types.SimpleNamespace(user=u, nice=0.0, system=0.0, idle=i, iowait=0.0, irq=0.0, softirq=0.0,
+                                     steal=st)
+
+    real = nvml.psutil.cpu_times
+    nvml.psutil.cpu_times = fake_times
+    try:
+        h = nvml.HostCpu(cpu_s=5.0)
+        busy, steal, other = h.sample(cpu_s=35.0)  # of 100 CPU-seconds: 60 busy (30 ours), 20 idle, 20 stolen
+    finally:
+        nvml.psutil.cpu_times = real
+    assert (busy, steal, other) == pytest.approx((60.0, 20.0, 30.0))
+    h = nvml.HostCpu(nvml._tree_usage(nvml.psutil.Process())[1])
+    time.sleep(0.05)
+    t_end = time.perf_counter() + 0.5
+    while time.perf_counter() < t_end:  # this process: one CPU busy
+        pass
+    busy, steal, other = h.sample(nvml._tree_usage(nvml.psutil.Process())[1])
+    ncpu = nvml.psutil.cpu_count()
+    assert busy >= 0.5 * 100 / ncpu and other < busy
 
 
 # ---------------------------------------------------------------- systems

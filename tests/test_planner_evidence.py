@@ -28,13 +28,16 @@ def _stride(config: str):
 
 
 def _write(out, shape, *, auto_s=0.82, explore_s=0.0, kept="k=2", batch="B1", boot="boot-a", model="3B",
-           cap=None, overrides=None, runs=3, hour=10, step_pred=1.0, refined=1.0, skip=(), supersede=False, ended=None):
+           cap=None, overrides=None, runs=3, hour=10, step_pred=1.0, refined=1.0, skip=(), supersede=False, ended=None,
+           host_other=None):
     """One batch of a planner sweep `shape` into `out`: `runs` repetitions, round-robin, of every
     configuration (but `skip`), each fixed plan at PACE (spread -2%, 0, +2%), auto at `auto_s` with
     `explore_s` of exploration keeping `kept`; update phase = iteration / 2, the offline and in-situ
     predictions `step_pred` and `refined` times it; `supersede`: each row supersedes the earlier
     rows of its run_id (a re-measurement); `ended`: the plan auto's runs ended on when not `kept`
-    (a replan after the exploration). Returns {config: [run_id, ...]}."""
+    (a replan after the exploration); `host_other`: the host's CPU used by others in repetition
+    r's runs is host_other * r % (the sampler's record; None: recorded before it had one).
+    Returns {config: [run_id, ...]}."""
     ids = {}
     for rep in range(1, runs + 1):
         for i, (config, knobs) in enumerate(CONFIGS.items()):
@@ -50,6 +53,8 @@ def _write(out, shape, *, auto_s=0.82, explore_s=0.0, kept="k=2", batch="B1", bo
                    "predicted_step_s": iter_s / 2 * step_pred, "gpu_name": "NVIDIA H200", "gpu_uuid": "GPU-1",
                    "files": {}, "n_params": 3e9,
                    "plan": {"stride": final, "cpu_threads": 16, "placement": knobs["placement"]}}
+            if host_other is not None:
+                res["sampler"] = {"host_cpu_other_pct": host_other * rep, "host_cpu_steal_pct": 0.5}
             row = sw.make_row(spec, shape, res, 125.0, batch, (spec.run_id(),) if supersede else (),
                               "re-measured" if supersede else "")
             row.update(timestamp=f"2026-12-01T{hour:02d}:{rep:02d}:{i:02d}+00:00", boot_id=boot)
@@ -119,6 +124,11 @@ def test_planner_check_pass_and_miss(tmp_path):
     assert slow["auto_step_vs_best"].iloc[0] == pytest.approx(0.10) and slow["fwd_bwd_spread"].iloc[0] == 0
     assert ("(a fixed plan's runs spread 4.0% of its median, up to 4.0%; update phase: auto +10.0% of k=2; "
             "forward + backward, the same work in every run, spread 0% over the batch)") in slow["why"].iloc[0]
+    # runs that recorded the host's CPU (dos.lab.nvml.HostCpu): the MISS says how busy others kept it
+    host = pe.planner_check(_runs(tmp_path, "host", auto_s=0.88, host_other=2.0))
+    assert host["host_other_pct"].iloc[0] == "2.0-6.0" and host["host_steal_pct"].iloc[0] == "0.5-0.5"
+    assert "; the host's CPU used by others 2.0-6.0%, stolen 0.5-0.5% of its CPUs over the runs)" in host["why"].iloc[0]
+    assert slow["host_other_pct"].iloc[0] == ""  # none recorded: not named
     few = pe.planner_check(_runs(tmp_path, "few", auto_s=0.80, runs=2))
     assert few.verdict == "MISS" and "fewer than 3 runs" in few["why"].iloc[0]
     missing = pe.planner_check(_runs(tmp_path, "nok6", auto_s=0.80, skip=("k=6",)))

@@ -1,8 +1,9 @@
 """Background sampler of GPU (NVML) and host memory, on the same clock as the phase markers.
 
 One thread samples at `hz` (default 100): GPU memory used, GPU and memory-controller utilization,
-PCIe traffic each way, and host RSS (this process and its children, e.g. SuperOffload's CPU-Adam
-worker). Times are `time.perf_counter()` seconds minus the run's `t0`, the clock the timing protocol
+PCIe traffic each way, host RSS (this process and its children, e.g. SuperOffload's CPU-Adam
+worker) and the host's CPU use (`HostCpu`: busy, stolen by the hypervisor, and used by anything but
+this process tree), so that a run slowed by its host says so. Times are `time.perf_counter()` seconds minus the run's `t0`, the clock the timing protocol
 stamps its phase markers with, so a trace and its phases line up without conversion.
 
 PCIe: NVML's cumulative byte counters (field values) when the driver has them, differenced per
@@ -20,10 +21,13 @@ from typing import Optional
 import psutil
 
 COLUMNS = ("t_s", "gpu_mem_used_mib", "gpu_util_pct", "gpu_mem_util_pct", "pcie_tx_mbps",
-           "pcie_rx_mbps", "host_rss_mib", "gpu_alloc_mib")
+           "pcie_rx_mbps", "host_rss_mib", "gpu_alloc_mib", "host_cpu_busy_pct", "host_cpu_steal_pct",
+           "host_cpu_other_pct")
 """pcie_tx: GPU -> host (D2H); pcie_rx: host -> GPU (H2D); MB/s = 1e6 bytes per second.
 gpu_mem_used is what NVML sees (the caching allocator's reservations: it rarely falls);
-gpu_alloc is what PyTorch's tensors hold (torch.cuda.memory_allocated): the rise and fall."""
+gpu_alloc is what PyTorch's tensors hold (torch.cuda.memory_allocated): the rise and fall.
+host_cpu_*: % of all the host's logical CPUs since the previous host sample (`HostCpu`). Columns
+only ever grow at the end (older traces have fewer)."""
 
 _MIB = 1 << 20
 
@@ -41,14 +45,55 @@ def _open_nvml(cuda_index: Optional[int], uuid: Optional[str]):
     return pynvml, pynvml.nvmlDeviceGetHandleByIndex(cuda_index or 0)
 
 
-def _total_rss(proc: psutil.Process) -> int:
-    rss = proc.memory_info().rss
+def _tree_usage(proc: psutil.Process) -> tuple:
+    """(RSS bytes, CPU seconds) of `proc` and its live children (children reaped already count in
+    its children_* times)."""
+    def cpu(t) -> float:
+        return t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+
+    rss, cpu_s = proc.memory_info().rss, cpu(proc.cpu_times())
     for child in proc.children(recursive=True):
         try:
             rss += child.memory_info().rss
+            cpu_s += cpu(child.cpu_times())
         except psutil.Error:
             pass
-    return rss
+    return rss, cpu_s
+
+
+class HostCpu:
+    """The host's CPU use between two `sample(cpu_s)` calls, in % of all its logical CPUs (from
+    /proc/stat through psutil): `busy` (user, system, irq: every process and the kernel), `steal`
+    (time the hypervisor ran something else on this VM's CPUs: a neighbour), and `other` = busy
+    minus `cpu_s`'s increase (this process tree's CPU seconds): what else ran here (kernel threads
+    such as page compaction, other processes). Why: runs of one configuration on one machine
+    differed by up to 27% with the same GPU work (planner-deep-3.5b, forward + backward 0.21-0.36 s
+    between runs); these columns tell a host episode from the run's own work."""
+
+    def __init__(self, cpu_s: float = 0.0):
+        self.prev = self._read(cpu_s)
+
+    @staticmethod
+    def _read(cpu_s: float) -> tuple:
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        steal = getattr(t, "steal", 0.0)
+        # guest / guest_nice are inside user / nice on Linux: not added again
+        total = (t.user + getattr(t, "nice", 0.0) + t.system + idle + getattr(t, "irq", 0.0)
+                 + getattr(t, "softirq", 0.0) + steal)
+        return total, idle, steal, cpu_s
+
+    def sample(self, cpu_s: float) -> tuple:
+        """(busy %, steal %, other %) since the last call; Nones when no tick passed."""
+        cur, (t0, i0, s0, c0) = self._read(cpu_s), self.prev
+        dt = cur[0] - t0
+        if dt <= 0:
+            return None, None, None
+        self.prev = cur
+        steal = 100.0 * (cur[2] - s0) / dt
+        busy = 100.0 * (dt - (cur[1] - i0) - (cur[2] - s0)) / dt
+        mine = 100.0 * (cur[3] - c0) / dt  # CPU seconds over all CPUs' seconds (dt sums them)
+        return busy, steal, max(0.0, busy - mine)
 
 
 class Sampler:
@@ -161,6 +206,11 @@ class Sampler:
     def _loop(self):
         proc = psutil.Process()
         prev, rss, k = [None, 0, 0], None, 0
+        try:
+            host = HostCpu(_tree_usage(proc)[1])
+        except (psutil.Error, OSError):  # no /proc/stat (some sandboxes): the columns stay empty
+            host = None
+        cpu = (None, None, None)
         next_t = time.perf_counter()
         while not self._stop.is_set():
             t = time.perf_counter()
@@ -173,10 +223,13 @@ class Sampler:
                     self._handle = None
             if k % self.host_every == 0:
                 try:
-                    rss = _total_rss(proc) / _MIB
-                except psutil.Error:
+                    rss_b, cpu_s = _tree_usage(proc)
+                    rss = rss_b / _MIB
+                    if host is not None:
+                        cpu = host.sample(cpu_s)
+                except (psutil.Error, OSError):
                     pass
-            self.rows.append((t - self.t0, *gpu, rss, self._allocated()))
+            self.rows.append((t - self.t0, *gpu, rss, self._allocated(), *cpu))
             k += 1
             next_t += self.interval
             delay = next_t - time.perf_counter()
@@ -193,6 +246,10 @@ class Sampler:
         span = rows[-1][0] - rows[0][0] if len(rows) > 1 else 0.0
         gpu_mem = [r[1] for r in rows if r[1] is not None]
         host = [r[6] for r in rows if r[6] is not None and r[0] >= host_since]
+
+        def mean(i):  # over the training samples (from host_since), None without any
+            v = [r[i] for r in rows if r[i] is not None and r[0] >= host_since]
+            return round(sum(v) / len(v), 1) if v else None
         return {
             "nvml": self.nvml_status,
             "pcie_source": self.pcie_source,
@@ -202,6 +259,10 @@ class Sampler:
             "max_gap_s": max((b[0] - a[0] for a, b in zip(rows, rows[1:])), default=None),
             "peak_gpu_nvml_gib": max(gpu_mem) / 1024 if gpu_mem else None,
             "peak_host_sampled_gib": max(host) / 1024 if host else None,
+            # the host's CPU while training (% of all its CPUs): stolen by the hypervisor, and
+            # used by anything but this run (a host episode, not the run's own work)
+            "host_cpu_steal_pct": mean(9),
+            "host_cpu_other_pct": mean(10),
         }
 
     def write(self, path) -> None:

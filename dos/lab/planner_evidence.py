@@ -73,29 +73,33 @@ def _as_config(label: Optional[str]) -> Optional[str]:
     return None if label is None else label.split(",")[0]
 
 
-def _online(row) -> dict:
-    """The `online` record of a run's result.json (the planner's explorations), {} when absent.
-    The run's folder is the one holding its recorded files (steps.csv, log.txt), else its run_id."""
+def _result(row) -> dict:
+    """A run's result.json, {} when absent. The run's folder is the one holding its recorded files
+    (steps.csv, log.txt), else its run_id."""
     names = [row.get(c) for c in ("steps_file", "lanes_file", "log_file")]
     folder = next((Path(n).parent for n in names if isinstance(n, str) and n), Path(str(row["run_id"])))
     path = Path(row["results_dir"]) / folder / "result.json"
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text()).get("online") or {}
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _online(row) -> dict:
+    """The `online` record of a run's result.json (the planner's explorations), {} when absent."""
+    return _result(row).get("online") or {}
 
 
 def planner_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """`planner_runs` from rows already loaded with `dos.lab.results.rows` (ok, not superseded)."""
     cols = ["shape", "batch_id", "boot_id", "gpu_uuid", "config", "repeat", "order", "iter_s", "iter_incl_s",
             "step_s", "fwd_bwd_s", "predicted_step_s", "plan", "kept", "explore_steps", "explore_s",
-            "refined_predicted_s",
+            "refined_predicted_s", "host_cpu_other_pct", "host_cpu_steal_pct",
             "warmup", "steps", "iters", "own_shape", "model", "gpu_mem_cap_gib", "n_params", "run_id",
             "timestamp", "results_dir", "gpu_name", "date", "smoke"]
     d = rows[rows["system"].eq("dos") & rows["placement"].isin(["cpu", "interleaved"])] if len(rows) else []
     out = []
     for r in (d.sort_values("timestamp", kind="stable").to_dict("records") if len(d) else []):
         config = _config(r["placement"], r["stride"])
-        online = _online(r)
+        result = _result(r)
+        online, sampler = result.get("online") or {}, result.get("sampler") or {}
         ex = (online.get("explorations") or [{}])[-1]
         plan = plan_label(r["plan_stride"] if r["plan_stride"] == r["plan_stride"] else None, r["cpu_threads"])
         kept = plan_label(ex["kept"].get("stride"), ex["kept"].get("cpu_threads")) if ex.get("kept") else plan
@@ -116,6 +120,10 @@ def planner_rows(rows: pd.DataFrame) -> pd.DataFrame:
                     "kept": kept if config == AUTO else None,
                     "explore_steps": int(online.get("explore_steps") or 0), "explore_s": explore_s,
                     "refined_predicted_s": refined,
+                    # the host's CPU while training, beyond this run (dos.lab.nvml.HostCpu; runs
+                    # recorded before 2026-12-02 session 12 have none)
+                    "host_cpu_other_pct": sampler.get("host_cpu_other_pct", math.nan),
+                    "host_cpu_steal_pct": sampler.get("host_cpu_steal_pct", math.nan),
                     "warmup": r["warmup"], "steps": r["steps"], "iters": iters,
                     "own_shape": R._run_field(r["config"], "model_overrides") is not None, "model": r["model"],
                     "gpu_mem_cap_gib": r["gpu_mem_cap_gib"], "n_params": r["n_params"], "run_id": r["run_id"],
@@ -161,8 +169,8 @@ def _round_robin(g: pd.DataFrame) -> bool:
     return bool(rep.notna().all() and rep.is_monotonic_increasing)
 
 
-def _rng(v: pd.Series) -> str:
-    return f"{v.min():.3f}-{v.max():.3f}" if len(v) else ""
+def _rng(v: pd.Series, fmt: str = ".3f") -> str:
+    return f"{v.min():{fmt}}-{v.max():{fmt}}" if len(v) else ""
 
 
 def _batches(df: pd.DataFrame) -> list:
@@ -203,6 +211,9 @@ def _batches(df: pd.DataFrame) -> list:
                                           if best is not None and len(auto) else math.nan),
                     "fwd_bwd_spread": ((g["fwd_bwd_s"].max() - g["fwd_bwd_s"].min()) / g["fwd_bwd_s"].median()
                                        if g["fwd_bwd_s"].notna().any() else math.nan),
+                    # the host's CPU used by anything but the run, over the batch's runs (min-max)
+                    "host_other_pct": _rng(g["host_cpu_other_pct"].dropna(), ".1f"),
+                    "host_steal_pct": _rng(g["host_cpu_steal_pct"].dropna(), ".1f"),
                     "round_robin": rr, "complete": enough and one_unit and rr,
                     "_enough": enough, "_one_unit": one_unit, "_medians": med, "_auto": auto})
     return out
@@ -233,6 +244,9 @@ def planner_check(df: pd.DataFrame) -> CheckTable:
             if noise and b["auto_step_vs_best"] == b["auto_step_vs_best"]:
                 noise += (f"; update phase: auto {b['auto_step_vs_best']:+.1%} of {b['best_fixed']}; forward + "
                           f"backward, the same work in every run, spread {b['fwd_bwd_spread']:.0%} over the batch")
+                if b["host_other_pct"]:
+                    noise += (f"; the host's CPU used by others {b['host_other_pct']}%, stolen "
+                              f"{b['host_steal_pct']}% of its CPUs over the runs")
             noise += ")" if noise else ""
             why.append(f"auto {b['auto_vs_best']:+.1%} of {b['best_fixed']}{noise}" if b["auto_vs_best"] == b["auto_vs_best"]
                        else "no auto or fixed runs")

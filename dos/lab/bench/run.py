@@ -336,7 +336,7 @@ def launch(spec, spec_path: Path, run_dir: Path) -> dict:
 
     import psutil
 
-    from dos.lab.nvml import _total_rss
+    from dos.lab.nvml import _tree_usage
 
     n = spec.gpus
     env = {**os.environ, "DOS_BENCH_RANKS": str(n), "PYTHONUNBUFFERED": "1"}
@@ -351,7 +351,7 @@ def launch(spec, spec_path: Path, run_dir: Path) -> dict:
         me = psutil.Process()
         while not stop.wait(0.1):
             try:
-                peak[0] = max(peak[0], _total_rss(me))
+                peak[0] = max(peak[0], _tree_usage(me)[0])
             except psutil.Error:
                 pass
 
