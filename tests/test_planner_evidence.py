@@ -29,14 +29,16 @@ def _stride(config: str):
 
 def _write(out, shape, *, auto_s=0.82, explore_s=0.0, kept="k=2", batch="B1", boot="boot-a", model="3B",
            cap=None, overrides=None, runs=3, hour=10, step_pred=1.0, refined=1.0, skip=(), supersede=False, ended=None,
-           host_other=None):
+           host_other=None, explore_extra=None):
     """One batch of a planner sweep `shape` into `out`: `runs` repetitions, round-robin, of every
     configuration (but `skip`), each fixed plan at PACE (spread -2%, 0, +2%), auto at `auto_s` with
     `explore_s` of exploration keeping `kept`; update phase = iteration / 2, the offline and in-situ
     predictions `step_pred` and `refined` times it; `supersede`: each row supersedes the earlier
     rows of its run_id (a re-measurement); `ended`: the plan auto's runs ended on when not `kept`
     (a replan after the exploration); `host_other`: the host's CPU used by others in repetition
-    r's runs is host_other * r % (the sampler's record; None: recorded before it had one).
+    r's runs is host_other * r % (the sampler's record; None: recorded before it had one);
+    `explore_extra`: each run also writes steps.csv (every step at its iteration time, steps 0-1
+    at 5 s), auto's steps 2-9 (its exploration) `explore_extra` seconds longer.
     Returns {config: [run_id, ...]}."""
     ids = {}
     for rep in range(1, runs + 1):
@@ -53,6 +55,8 @@ def _write(out, shape, *, auto_s=0.82, explore_s=0.0, kept="k=2", batch="B1", bo
                    "predicted_step_s": iter_s / 2 * step_pred, "gpu_name": "NVIDIA H200", "gpu_uuid": "GPU-1",
                    "files": {}, "n_params": 3e9,
                    "plan": {"stride": final, "cpu_threads": 16, "placement": knobs["placement"]}}
+            if explore_extra is not None:
+                res["files"] = {"steps_file": "steps.csv"}
             if host_other is not None:
                 res["sampler"] = {"host_cpu_other_pct": host_other * rep, "host_cpu_steal_pct": 0.5}
             row = sw.make_row(spec, shape, res, 125.0, batch, (spec.run_id(),) if supersede else (),
@@ -66,6 +70,11 @@ def _write(out, shape, *, auto_s=0.82, explore_s=0.0, kept="k=2", batch="B1", bo
                      "refined_predicted_s": iter_s / 2 * refined, "candidates": []}]}
             (out / spec.run_id()).mkdir(parents=True, exist_ok=True)
             (out / spec.run_id() / "result.json").write_text(json.dumps({**res, "online": online}))
+            if explore_extra is not None:
+                its = [5.0 if k < 2 else iter_s + (explore_extra if config == "auto" and k < 10 else 0.0)
+                       for k in range(WARMUP + STEPS)]
+                pd.DataFrame({"step": range(WARMUP + STEPS), "iter_s": its}).to_csv(
+                    out / spec.run_id() / "steps.csv", index=False)
             ids.setdefault(config, []).append(spec.run_id())
     return ids
 
@@ -124,6 +133,12 @@ def test_planner_check_pass_and_miss(tmp_path):
     assert slow["auto_step_vs_best"].iloc[0] == pytest.approx(0.10) and slow["fwd_bwd_spread"].iloc[0] == 0
     assert ("(a fixed plan's runs spread 4.0% of its median, up to 4.0%; update phase: auto +10.0% of k=2; "
             "forward + backward, the same work in every run, spread 0% over the batch)") in slow["why"].iloc[0]
+    # reported beside the graded number: every run's mean iteration over the same window (steps
+    # 2..end: warm-up, exploration and measured steps), auto's median over the best fixed plan's
+    win = pe.planner_check(_runs(tmp_path, "win", auto_s=0.82, explore_extra=0.2))
+    n = WARMUP + STEPS - 2
+    assert win["auto_window_vs_best"].iloc[0] == pytest.approx((0.82 + 8 * 0.2 / n) / 0.80 - 1)
+    assert ok["auto_window_vs_best"].isna().all()  # no steps files: nothing to report
     # runs that recorded the host's CPU (dos.lab.nvml.HostCpu): the MISS says how busy others kept it
     host = pe.planner_check(_runs(tmp_path, "host", auto_s=0.88, host_other=2.0))
     assert host["host_other_pct"].iloc[0] == "2.0-6.0" and host["host_steal_pct"].iloc[0] == "0.5-0.5"
