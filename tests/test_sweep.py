@@ -303,6 +303,27 @@ def test_a_superseding_sweep_re_measures_once_not_at_every_resume(tmp_path):
     assert (tmp_path / rows[1]["log_file"]).exists()
 
 
+def test_dry_run_lists_the_runs_with_what_each_is_expected_to_take(tmp_path, capsys, monkeypatch):
+    """`dos sweep --dry-run`: each missing run, its preflight decision and its expected seconds
+    from the recorded walls (what a device lease must hold), then the total; nothing runs."""
+    monkeypatch.setattr(sw, "RESULTS", tmp_path / "no-repository-records")
+    doc = {"defaults": {"device": "cpu", "seq_len": 16, "micro_batch": 1, "warmup": 0, "steps": 1,
+                        "nvml_hz": 5}, "runs": [{"system": "torch-cpu", "seed": [0, 1]}]}
+    sweep = sw.parse(doc, "dry")
+    tmp_path = tmp_path / "dry"
+    assert sw.run(sweep, tmp_path, dry_run=True) == {"already": 0}
+    out = capsys.readouterr().out
+    assert "(nothing recorded at this shape)" in out and "expected: ~0.0 min for 2 runs" in out
+    assert not (tmp_path / "runs.csv").exists()
+    sw.run(sw.parse(dict(doc, runs=[{"system": "torch-cpu", "seed": 0}]), "dry"), tmp_path, progress=False,
+           allow_dirty=True)
+    wall = float(records.read_rows(tmp_path / "runs.csv")[0]["wall_s"])
+    assert sw.run(sweep, tmp_path, dry_run=True) == {"already": 1}
+    out = capsys.readouterr().out
+    assert f"run  ~{wall + sw.RUN_OVERHEAD_S:.0f} s" in out
+    assert f"expected: ~{(wall + sw.RUN_OVERHEAD_S) / 60:.1f} min for 1 runs" in out
+
+
 def test_a_killed_runs_log_is_kept_when_its_folder_is_cleared(tmp_path):
     """A run killed in flight leaves a folder without a row; the resumed sweep starts it afresh,
     and keeps its log (the only trace of why it wrote no row) under killed/."""
@@ -342,6 +363,15 @@ def test_a_sweep_with_a_deadline_starts_no_run_it_expects_to_end_later(tmp_path,
     assert sw.expected_s(other.runs[0], [], rows) == pytest.approx(sorted(walls)[1] + sw.RUN_OVERHEAD_S)
     assert sw.expected_s(other.runs[1], [], rows) == pytest.approx(max(walls) + sw.RUN_OVERHEAD_S)
     assert sw.expected_s(other.runs[1], [], []) == 0.0
+    # a model never recorded: the same system's run at the nearest size, scaled by parameter count
+    from dos.lab.bench.models import preset
+
+    bigger = sw.parse(dict(doc, runs=[{"system": "torch-cpu", "seed": 7, "model": "1.3B"},
+                                      {"system": "dos", "placement": "cpu", "model": "1.3B"}]), "big")
+    ratio = preset("1.3B").n_params() / float(rows[0]["n_params"])
+    assert ratio > 1000 and {r["model"] for r in rows} == {"tiny"} and {r["system"] for r in rows} == {"torch-cpu"}
+    assert sw.expected_s(bigger.runs[0], [], rows) == pytest.approx(min(walls) * ratio + sw.RUN_OVERHEAD_S)
+    assert sw.expected_s(bigger.runs[1], [], rows) == 0.0  # dos never recorded anywhere
     for name in ("a", "b"):  # two sweeps' results side by side
         (tmp_path / name).mkdir()
         shutil.copy(tmp_path / "runs.csv", tmp_path / name / "runs.csv")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -297,11 +298,17 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     todo = [s for s in sweep.runs if latest.get(s.run_id(), "skipped") == "skipped" or s.run_id() in again]
     total_host = psutil.virtual_memory().total / _GIB
     counts = {"already": len(sweep.runs) - len(todo)}
-    if dry_run:
+    if dry_run:  # what would run, and how long it is expected to take (a device lease's plan)
         host_gib, host_src = available_host_gib(sweep, host_memory_gib)
+        mine, elsewhere, total = records.read_rows(csv_path), other_rows(out_dir), 0.0
         for s in todo:
             why = preflight(s, host_gib, host_src)
-            print(f"{s.run_id()}  {s.label():<50} {'skip: ' + why if why else 'run'}")
+            need = expected_s(s, mine, elsewhere)
+            total += need
+            when = f"~{need:.0f} s" if need else "(nothing recorded at this shape)"
+            print(f"{s.run_id()}  {s.label():<50} {'skip: ' + why if why else 'run'}  {when}")
+        print(f"expected: ~{total / 60:.1f} min for {len(todo)} runs, from the recorded wall times "
+              f"(+{RUN_OVERHEAD_S:g} s each; a run with nothing recorded at its shape counts 0)")
         return counts
     out_dir.mkdir(parents=True, exist_ok=True)
     records.write_env(out_dir)
@@ -351,15 +358,19 @@ def expected_s(spec: RunSpec, rows: Sequence[dict], elsewhere: Sequence[dict] = 
     the ok rows of the same configuration (every setting but the repeat), else of every ok row of
     the same system and model, else of those rows in `elsewhere` (other sweeps' records: a sweep's
     first round has none of its own), else the longest ok run of any system at that model (a
-    system never recorded there: better deferred than killed in flight), plus RUN_OVERHEAD_S; 0
-    where nothing at that model was recorded."""
+    system never recorded there: better deferred than killed in flight), else, at a model never
+    recorded, the same system's run at the nearest parameter count scaled by the parameter count;
+    plus RUN_OVERHEAD_S; 0 where the system has no record at all."""
     import statistics
 
     mine = spec.to_dict()
 
+    def ok_rows(rs):
+        return [r for r in rs if r.get("status") == "ok" and r.get("wall_s")]
+
     def ok(rs):
         return [((json.loads(r["config"]).get("run") or {}) if r.get("config", "").startswith("{") else {},
-                 float(r["wall_s"])) for r in rs if r.get("status") == "ok" and r.get("wall_s")]
+                 float(r["wall_s"])) for r in ok_rows(rs)]
 
     alike, shape = ("system", "model", "model_overrides", "device"), ("model", "model_overrides", "device")
     here, there = ok(rows), ok(elsewhere)
@@ -369,7 +380,21 @@ def expected_s(spec: RunSpec, rows: Sequence[dict], elsewhere: Sequence[dict] = 
             return statistics.median(walls) + RUN_OVERHEAD_S
     # a system never recorded at this shape: as long as the longest run recorded at it
     walls = [w for run, w in here + there if all(run.get(k) == mine.get(k) for k in shape)]
-    return max(walls) + RUN_OVERHEAD_S if walls else 0.0
+    if walls:
+        return max(walls) + RUN_OVERHEAD_S
+    # a shape never recorded: the same system's run at the nearest size, scaled by the parameter
+    # count (init, copies and the update phase grow with it); 0 where the system has none
+    from dos.lab.bench.models import preset
+
+    try:
+        n = preset(spec.model, spec.model_overrides).n_params()
+    except Exception:  # an unknown preset: the spec's own validation reports it
+        return 0.0
+    sized = [(abs(math.log(float(r["n_params"]) / n)), w * n / float(r["n_params"]))
+             for r, (run, w) in zip(ok_rows(rows) + ok_rows(elsewhere), here + there)
+             if run.get("system") == mine.get("system") and run.get("device") == mine.get("device")
+             and float(r.get("n_params") or 0) > 0]
+    return min(sized)[1] + RUN_OVERHEAD_S if sized else 0.0
 
 
 def other_rows(out_dir: Path) -> List[dict]:
