@@ -33,9 +33,16 @@ export PYTHONPYCACHEPREFIX=/tmp/pycache HF_HUB_OFFLINE=1
 # call's results archive to 20 extra files copied there.
 # Wheels: carry `.whl` (all of gpu-wheels.sh's and the notebooks') or, where the checkout and it
 # exceed the device's 64 MiB, `.whl-base` (DeepSpeed, its pure-Python deps and torchao: ~8 MiB).
+# Installed once per machine: a warm machine keeps /tmp/site, and reinstalling gives DeepSpeed's
+# C++ sources new mtimes, so that the first DeepSpeed run of every call rebuilt cpu_adam with ninja
+# (42-51 s of its init, in each of session 12's four calls: `init_profile` in result.json).
 wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-*/*.whl 2>/dev/null)
-[ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
-export PYTHONPATH=$PWD:/tmp/site
+site_stamp=${DOS_SITE:-/tmp/site}/.dos-wheels
+if [ -n "$wheels" ] && [ "$(cat $site_stamp 2>/dev/null)" != "$(ls -l $wheels | md5sum)" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ${DOS_SITE:-/tmp/site} $wheels \
+    && ls -l $wheels | md5sum > $site_stamp
+fi
+export PYTHONPATH=$PWD:${DOS_SITE:-/tmp/site}
 touch /tmp/stamp
 { nvidia-smi -L; nproc; free -g; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
   cat /proc/sys/kernel/random/boot_id /sys/kernel/mm/transparent_hugepage/enabled
