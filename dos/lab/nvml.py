@@ -2,9 +2,10 @@
 
 One thread samples at `hz` (default 100): GPU memory used, GPU and memory-controller utilization,
 PCIe traffic each way, host RSS (this process and its children, e.g. SuperOffload's CPU-Adam
-worker) and the host's CPU use (`HostCpu`: busy, stolen by the hypervisor, and used by anything but
-this process tree), so that a run slowed by its host says so. Times are `time.perf_counter()` seconds minus the run's `t0`, the clock the timing protocol
-stamps its phase markers with, so a trace and its phases line up without conversion.
+worker) and the host's CPU use (`HostCpu`: busy, stolen by the hypervisor, and used by anything
+but this process tree), so that a run slowed by its host says so. Times are
+`time.perf_counter()` seconds minus the run's `t0`, the clock the timing protocol stamps its phase
+markers with, so a trace and its phases line up without conversion.
 
 PCIe: NVML's cumulative byte counters (field values) when the driver has them, differenced per
 sample; otherwise `nvmlDeviceGetPcieThroughput`, which averages over ~20 ms per call and so runs in a
