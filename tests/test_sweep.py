@@ -370,7 +370,14 @@ def test_a_sweep_with_a_deadline_starts_no_run_it_expects_to_end_later(tmp_path,
                                       {"system": "dos", "placement": "cpu", "model": "1.3B"}]), "big")
     ratio = preset("1.3B").n_params() / float(rows[0]["n_params"])
     assert ratio > 1000 and {r["model"] for r in rows} == {"tiny"} and {r["system"] for r in rows} == {"torch-cpu"}
-    assert sw.expected_s(bigger.runs[0], [], rows) == pytest.approx(min(walls) * ratio + sw.RUN_OVERHEAD_S)
+    assert sw.expected_s(bigger.runs[0], [], rows) == pytest.approx(
+        sorted(walls)[1] * ratio + sw.RUN_OVERHEAD_S)
+    # rows of another step count stand for this one's: init plus the rest per step
+    long = [dict(r, steps=str(int(r["steps"]) * 10)) for r in rows]
+    init = [float(r["init_s"]) for r in rows]
+    per = sorted(i + (w - i) * (int(rows[0]["warmup"]) + int(rows[0]["steps"]))
+                 / (int(long[0]["warmup"]) + int(long[0]["steps"])) for i, w in zip(init, walls))
+    assert sw.expected_s(other.runs[0], [], long) == pytest.approx(per[1] + sw.RUN_OVERHEAD_S)
     assert sw.expected_s(bigger.runs[1], [], rows) == 0.0  # dos never recorded anywhere
     for name in ("a", "b"):  # two sweeps' results side by side
         (tmp_path / name).mkdir()

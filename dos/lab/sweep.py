@@ -354,47 +354,63 @@ RUN_OVERHEAD_S = 15.0  # a run's process start, imports before its clock, teardo
 
 
 def expected_s(spec: RunSpec, rows: Sequence[dict], elsewhere: Sequence[dict] = ()) -> float:
-    """Seconds `spec` is expected to take, from the rows already recorded: the median wall time of
-    the ok rows of the same configuration (every setting but the repeat), else of every ok row of
-    the same system and model, else of those rows in `elsewhere` (other sweeps' records: a sweep's
-    first round has none of its own), else the longest ok run of any system at that model (a
-    system never recorded there: better deferred than killed in flight), else, at a model never
-    recorded, the same system's run at the nearest parameter count scaled by the parameter count;
-    plus RUN_OVERHEAD_S; 0 where the system has no record at all."""
+    """Seconds `spec` is expected to take, from the ok rows already recorded, each row's wall time
+    taken to `spec`'s warm-up + steps (`_at_steps`): the median over the rows of the same
+    configuration (every setting but the repeat), else over the rows of the same system and model,
+    else over those rows in `elsewhere` (other sweeps' records: a sweep's first round has none of
+    its own), else over the same system's rows at the nearest parameter count, scaled by the
+    parameter count (a model size it never ran at), else the longest run of any system at that
+    model (a system recorded nowhere: better deferred than killed in flight); plus
+    RUN_OVERHEAD_S; 0 where nothing fits."""
     import statistics
 
-    mine = spec.to_dict()
-
-    def ok_rows(rs):
-        return [r for r in rs if r.get("status") == "ok" and r.get("wall_s")]
-
-    def ok(rs):
-        return [((json.loads(r["config"]).get("run") or {}) if r.get("config", "").startswith("{") else {},
-                 float(r["wall_s"])) for r in ok_rows(rs)]
-
-    alike, shape = ("system", "model", "model_overrides", "device"), ("model", "model_overrides", "device")
-    here, there = ok(rows), ok(elsewhere)
-    for found, keys in ((here, [k for k in mine if k != "repeat"]), (here, alike), (there, alike)):
-        walls = [w for run, w in found if all(run.get(k) == mine.get(k) for k in keys)]
-        if walls:
-            return statistics.median(walls) + RUN_OVERHEAD_S
-    # a system never recorded at this shape: as long as the longest run recorded at it
-    walls = [w for run, w in here + there if all(run.get(k) == mine.get(k) for k in shape)]
-    if walls:
-        return max(walls) + RUN_OVERHEAD_S
-    # a shape never recorded: the same system's run at the nearest size, scaled by the parameter
-    # count (init, copies and the update phase grow with it); 0 where the system has none
     from dos.lab.bench.models import preset
 
+    mine, iters = spec.to_dict(), spec.warmup + spec.steps
+    recs = []  # (recorded here, the run's settings, its row, its wall at spec's step count)
+    for here, rs in ((True, rows), (False, elsewhere)):
+        for r in rs:
+            if r.get("status") == "ok" and r.get("wall_s"):
+                cfg = str(r.get("config") or "")
+                run = (json.loads(cfg).get("run") or {}) if cfg.startswith("{") else {}
+                recs.append((here, run, r, _at_steps(r, iters)))
+
+    def same(run, keys) -> bool:
+        return all(run.get(k) == mine.get(k) for k in keys)
+
+    alike = ("system", "model", "model_overrides", "device")
+    for where, keys in ((True, [k for k in mine if k != "repeat"]), (True, alike), (False, alike)):
+        walls = [w for here, run, _, w in recs if here == where and same(run, keys)]
+        if walls:
+            return statistics.median(walls) + RUN_OVERHEAD_S
+    # a size this system never ran at: its runs at the nearest parameter count, scaled by it
+    # (init, copies and the update phase grow with the parameters)
     try:
         n = preset(spec.model, spec.model_overrides).n_params()
     except Exception:  # an unknown preset: the spec's own validation reports it
-        return 0.0
-    sized = [(abs(math.log(float(r["n_params"]) / n)), w * n / float(r["n_params"]))
-             for r, (run, w) in zip(ok_rows(rows) + ok_rows(elsewhere), here + there)
-             if run.get("system") == mine.get("system") and run.get("device") == mine.get("device")
-             and float(r.get("n_params") or 0) > 0]
-    return min(sized)[1] + RUN_OVERHEAD_S if sized else 0.0
+        n = 0
+    sized = [(abs(math.log(float(r["n_params"]) / n)), w * n / float(r["n_params"])) for _, run, r, w in recs
+             if n and same(run, ("system", "device")) and float(r.get("n_params") or 0) > 0]
+    if sized:
+        near = min(d for d, _ in sized)
+        return statistics.median(w for d, w in sized if d == near) + RUN_OVERHEAD_S
+    # a system recorded nowhere: as long as the longest run recorded at this shape
+    walls = [w for _, run, _, w in recs if same(run, ("model", "model_overrides", "device"))]
+    return max(walls) + RUN_OVERHEAD_S if walls else 0.0
+
+
+def _at_steps(row: dict, iters: int) -> float:
+    """A recorded run's wall time had it run `iters` warm-up + measured steps: its init plus the
+    rest of its wall per step it ran (a 500-step convergence run does not stand for a 7-step
+    one); its wall where the row lacks the fields."""
+    wall = float(row["wall_s"])
+    try:
+        init, done = float(row.get("init_s") or 0.0), int(float(row["warmup"])) + int(float(row["steps"]))
+    except (KeyError, TypeError, ValueError):
+        return wall
+    if done <= 0 or not 0.0 <= init <= wall:
+        return wall
+    return init + (wall - init) * iters / done
 
 
 def other_rows(out_dir: Path) -> List[dict]:
