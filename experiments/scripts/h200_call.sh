@@ -38,9 +38,10 @@ export PYTHONPYCACHEPREFIX=/tmp/pycache HF_HUB_OFFLINE=1
 # (42-51 s of its init, in each of session 12's four calls: `init_profile` in result.json).
 wheels=$(ls .whl/*.whl 2>/dev/null || ls .whl-*/*.whl 2>/dev/null)
 site_stamp=${DOS_SITE:-/tmp/site}/.dos-wheels
-if [ -n "$wheels" ] && [ "$(cat $site_stamp 2>/dev/null)" != "$(ls -l $wheels | md5sum)" ]; then
+# (the stamp hashes the wheels' names and bytes: the checkout, copied afresh each call, has new mtimes)
+if [ -n "$wheels" ] && [ "$(cat $site_stamp 2>/dev/null)" != "$(md5sum $wheels | md5sum)" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target ${DOS_SITE:-/tmp/site} $wheels \
-    && ls -l $wheels | md5sum > $site_stamp
+    && md5sum $wheels | md5sum > $site_stamp
 fi
 export PYTHONPATH=$PWD:${DOS_SITE:-/tmp/site}
 touch /tmp/stamp
