@@ -313,7 +313,7 @@ def test_dry_run_lists_the_runs_with_what_each_is_expected_to_take(tmp_path, cap
     tmp_path = tmp_path / "dry"
     assert sw.run(sweep, tmp_path, dry_run=True) == {"already": 0}
     out = capsys.readouterr().out
-    assert "(nothing recorded at this shape)" in out and "expected: ~0.0 min for 2 runs" in out
+    assert "(no record of this system or shape)" in out and "expected: ~0.0 min for 2 runs" in out
     assert not (tmp_path / "runs.csv").exists()
     sw.run(sw.parse(dict(doc, runs=[{"system": "torch-cpu", "seed": 0}]), "dry"), tmp_path, progress=False,
            allow_dirty=True)

@@ -82,11 +82,6 @@ def _result(row) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _online(row) -> dict:
-    """The `online` record of a run's result.json (the planner's explorations), {} when absent."""
-    return _result(row).get("online") or {}
-
-
 WINDOW_FROM = 2
 """`iter_window_s`: the mean iteration from this step to the run's end, warm-up included. Steps 0-1
 warm up every run alike (allocations, first kernels; the planner never compares them either)."""

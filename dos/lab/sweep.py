@@ -305,10 +305,10 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
             why = preflight(s, host_gib, host_src)
             need = expected_s(s, mine, elsewhere)
             total += need
-            when = f"~{need:.0f} s" if need else "(nothing recorded at this shape)"
+            when = f"~{need:.0f} s" if need else "(no record of this system or shape)"
             print(f"{s.run_id()}  {s.label():<50} {'skip: ' + why if why else 'run'}  {when}")
         print(f"expected: ~{total / 60:.1f} min for {len(todo)} runs, from the recorded wall times "
-              f"(+{RUN_OVERHEAD_S:g} s each; a run with nothing recorded at its shape counts 0)")
+              f"(+{RUN_OVERHEAD_S:g} s each; a run with no record to go by counts 0)")
         return counts
     out_dir.mkdir(parents=True, exist_ok=True)
     records.write_env(out_dir)
