@@ -24,6 +24,13 @@ if not dist.is_available():
 STEPS = 30
 LR = dict(lr=3e-3, weight_decay=0.05)
 SUBGROUP = 1000  # ~13 subgroups of each rank's ~12k local elements
+# With bf16 parameters (an FSDP2 MixedPrecisionPolicy) dos and the torch.optim.AdamW reference agree
+# to ~1e-7 for the first steps, then the bf16 casts of the forward pass amplify the ulp-level
+# differences of their fp32 masters (dos's fused update rounds differently) and the runs drift apart:
+# 1.2e-4 after 30 steps on CI's machine, where the norms start to differ at step 9. One Adam step
+# moves a weight by up to lr = 3e-3; this bound still catches a run without clipping (2.1e-3) or
+# with lr off by 10% (4.9e-3). Exactness of the bf16 path is held by the same-gradients norm check.
+BF16_TRAJECTORY_TOL = 1e-3
 PLACEMENTS = {
     "cpu": dict(placement="cpu"),
     "interleaved-k1": dict(placement="interleaved", stride=1),
@@ -113,12 +120,23 @@ def _clipping(mesh, tmp):
         opt = dos.DeepOptimizerStates(_groups(m), subgroup_numel=SUBGROUP, max_grad_norm=clip,
                                       **LR, **kw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
-        norms = []
+        norms, same_grad_norms = [], []
         for step in range(STEPS):
-            _train(m, opt, 1, start=step, sched=sched)
+            opt.zero_grad()
+            x, y = batch("transformer", step, micro=dist.get_rank())
+            loss_fn("transformer", m, x, y).backward()
+            # torch's global norm of the very gradients dos is about to clip: exact in every case,
+            # whereas the reference run's norms drift from dos's once bf16 casts amplify ulp-level
+            # differences of the fp32 masters (both are correct; see BF16_TRAJECTORY_TOL).
+            grads = [p.grad for p in m.parameters() if p.grad is not None]
+            same_grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
+            opt.step()
+            sched.step()
             norms.append(opt.last_grad_norm)
         out[name] = {"max_diff": _local_diff(m, ref),
-                     "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+                     "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, same_grad_norms)),
+                     "ref_norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+                     "mixed_precision": bool(mp),
                      "clipped_steps": sum(n > clip for n in ref_norms),
                      "frozen_unchanged": bool(torch.equal(m.pos.to_local(), ref.pos.to_local()))}
     return out
@@ -245,7 +263,12 @@ def test_fsdp2_clipping_groups_frozen_scheduler_and_mixed_precision(tmp_path):
         assert r["clipped_steps"] >= STEPS // 2, name  # the clipping is exercised
         assert r["norm_rel_diff"] <= 1e-5, name  # dos's norm is the global one
         assert r["frozen_unchanged"], name
-        assert r["max_diff"] <= 1e-5, (name, r)
+        if r["mixed_precision"]:
+            assert r["max_diff"] <= BF16_TRAJECTORY_TOL, (name, r)
+            assert r["ref_norm_rel_diff"] <= 1e-2, (name, r)
+        else:
+            assert r["max_diff"] <= 1e-5, (name, r)
+            assert r["ref_norm_rel_diff"] <= 1e-5, (name, r)
 
 
 @pytest.mark.parametrize("placement", ["interleaved-k2"])
