@@ -81,6 +81,21 @@ def test_state_dtype_convergence_check(shift, verdict):
         checks.state_dtype_convergence_check(pd.DataFrame())
 
 
+def test_state_dtype_convergence_check_holds_a_shorter_run_to_its_own_window():
+    """DeepSpeed's run, cut to 80 of the others' 120 steps, on the same curve: inside the band over
+    steps 30-79 (the band's own runs there), though its last-50 mean is far above theirs at 70-119."""
+    s = _steps(0.0)
+    s = s[~(s["run_id"].eq("ds") & (s["step"] >= 80))].copy()
+    s.loc[s["run_id"].eq("ds"), "loss"] = s.loc[s["run_id"].eq("t0") & (s["step"] < 80), "loss"].to_numpy()
+    chk = checks.state_dtype_convergence_check(s).set_index(["key", "state_dtype"])
+    ds = chk.loc[("deepspeed-zero2-offload-bf16", "bf16")]
+    assert ds["last_steps"] == "30-79" and ds["in_band"] and ds["verdict"] == "PASS"
+    assert chk.loc[("dos-interleaved", "bf16"), "last_steps"] == "70-119"
+    full = checks.final_losses(s)
+    late = full[full["key"].eq("torch-gpu")]["final_mean"]
+    assert full[full["run_id"].eq("ds")]["final_mean"].iloc[0] > late.max()  # the window matters
+
+
 # ---------------------------------------------------------------- criterion 3
 
 def _speed(bf16_step: float, ds_iter: float = 2.0, batch="b1", runs=3):
