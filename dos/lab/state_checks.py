@@ -41,6 +41,7 @@ def final_losses(steps: pd.DataFrame, window: int = 50, upto: Optional[int] = No
         tail = g.tail(window)
         out.append({"run_id": rid, "key": g["key"].iloc[0], "system": g["system"].iloc[0] if "system" in g else "",
                     "state_dtype": g["state_dtype"].iloc[0], "steps": len(g),
+                    "batch_id": g["batch_id"].iloc[0] if "batch_id" in g else "",
                     "last_steps": f"{tail['step'].iloc[0]}-{tail['step'].iloc[-1]}",
                     "last_step": int(tail["step"].iloc[-1]), "final_mean": tail["loss"].mean()})
     return pd.DataFrame(out)
@@ -57,7 +58,7 @@ def state_dtype_convergence_check(steps: pd.DataFrame, window: int = 50, baselin
     moments); int8, dos fp32 itself and other systems (DeepSpeed's bf16 offload) are reported
     beside them with the same test. Raises on empty input."""
     require_rows(steps, "state_dtype_convergence_check")
-    columns = ("key", "state_dtype", "last_steps", "final_mean", "band", "vs_fp32")
+    columns = ("key", "state_dtype", "batches", "last_steps", "final_mean", "band", "vs_fp32")
     fin = final_losses(steps, window)
     base_key = baseline_key(fin["key"], baselines)
     out = []
@@ -75,7 +76,11 @@ def state_dtype_convergence_check(steps: pd.DataFrame, window: int = 50, baselin
         in_band = bool(lo <= x <= hi)
         vs = x / ref_x - 1 if ref_x == ref_x else math.nan
         held = in_band or (vs == vs and abs(vs) <= tolerance)
+        # Loss, not speed: a row may come from another batch than the band (another machine
+        # start: GPU nondeterminism alone); `batches` says so where it does.
+        batches = sorted({str(b) for b in g["batch_id"]} | {str(b) for b in at[at["key"].eq(base_key)]["batch_id"]})
         out.append({"key": key, "state_dtype": dt, "runs": len(g), "last_steps": f"{max(0, upto - window + 1)}-{upto}",
+                    "batches": ", ".join(b for b in batches if b),
                     "final_mean": x,
                     "baseline": base_key, "baseline_runs": len(base), "band": f"{lo:.4f}-{hi:.4f}" if lo == lo else "",
                     "in_band": in_band, "fp32_final_mean": ref_x, "vs_fp32": vs,
