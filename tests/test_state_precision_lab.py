@@ -87,9 +87,11 @@ def test_state_dtype_convergence_check_holds_a_shorter_run_to_its_own_window():
     s = _steps(0.0)
     s = s[~(s["run_id"].eq("ds") & (s["step"] >= 80))].copy()
     s.loc[s["run_id"].eq("ds"), "loss"] = s.loc[s["run_id"].eq("t0") & (s["step"] < 80), "loss"].to_numpy()
+    s["batch_id"] = np.where(s["run_id"].eq("ds"), "b2", "b1")
     chk = checks.state_dtype_convergence_check(s).set_index(["key", "state_dtype"])
     ds = chk.loc[("deepspeed-zero2-offload-bf16", "bf16")]
     assert ds["last_steps"] == "30-79" and ds["in_band"] and ds["verdict"] == "PASS"
+    assert ds["batches"] == "b1, b2" and chk.loc[("dos-interleaved", "bf16"), "batches"] == "b1"
     assert chk.loc[("dos-interleaved", "bf16"), "last_steps"] == "70-119"
     full = checks.final_losses(s)
     late = full[full["key"].eq("torch-gpu")]["final_mean"]
