@@ -70,7 +70,8 @@ def state_dtype_convergence_check(steps: pd.DataFrame, window: int = 50, baselin
         base = at[at["key"].eq(base_key)]["final_mean"] if base_key else pd.Series(dtype=float)
         lo, hi = (base.min(), base.max()) if len(base) >= 2 else (math.nan, math.nan)
         fp32 = at[at["system"].eq(ours) & at["state_dtype"].eq("fp32")]
-        x = at[at["run_id"].isin(g["run_id"])]["final_mean"].median()
+        runs = at[at["run_id"].isin(g["run_id"])]
+        x = runs["final_mean"].median()
         ref = fp32[fp32["key"].eq(key)] if fp32["key"].eq(key).any() else fp32
         ref_x = ref["final_mean"].median() if len(ref) else math.nan
         in_band = bool(lo <= x <= hi)
@@ -79,7 +80,7 @@ def state_dtype_convergence_check(steps: pd.DataFrame, window: int = 50, baselin
         # Loss, not speed: a row may come from another batch than the band (another machine
         # start: GPU nondeterminism alone); `batches` says so where it does.
         batches = sorted({str(b) for b in g["batch_id"]} | {str(b) for b in at[at["key"].eq(base_key)]["batch_id"]})
-        out.append({"key": key, "state_dtype": dt, "runs": len(g), "last_steps": f"{max(0, upto - window + 1)}-{upto}",
+        out.append({"key": key, "state_dtype": dt, "runs": len(g), "last_steps": runs["last_steps"].iloc[0],
                     "batches": ", ".join(b for b in batches if b),
                     "final_mean": x,
                     "baseline": base_key, "baseline_runs": len(base), "band": f"{lo:.4f}-{hi:.4f}" if lo == lo else "",
