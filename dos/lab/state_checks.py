@@ -56,7 +56,9 @@ def state_dtype_convergence_check(steps: pd.DataFrame, window: int = 50, baselin
     fp32 moments of the same key (else any dos fp32 run). PASS when inside the band or within
     `tolerance` (1%) of fp32. Graded: `ours` rows whose state precision is in `graded` (bf16
     moments); int8, dos fp32 itself and other systems (DeepSpeed's bf16 offload) are reported
-    beside them with the same test. Raises on empty input."""
+    beside them with the same test. Each row is compared over its own runs' last `window` steps
+    (a shorter run against the band and fp32 over those steps) and names the batches it draws on.
+    Raises on empty input."""
     require_rows(steps, "state_dtype_convergence_check")
     columns = ("key", "state_dtype", "batches", "last_steps", "final_mean", "band", "vs_fp32")
     fin = final_losses(steps, window)
@@ -79,7 +81,8 @@ def state_dtype_convergence_check(steps: pd.DataFrame, window: int = 50, baselin
         held = in_band or (vs == vs and abs(vs) <= tolerance)
         # Loss, not speed: a row may come from another batch than the band (another machine
         # start: GPU nondeterminism alone); `batches` says so where it does.
-        batches = sorted({str(b) for b in g["batch_id"]} | {str(b) for b in at[at["key"].eq(base_key)]["batch_id"]})
+        batches = sorted({str(b) for b in pd.concat([g["batch_id"], at[at["key"].eq(base_key)]["batch_id"],
+                                                     ref["batch_id"]])})
         out.append({"key": key, "state_dtype": dt, "runs": len(g), "last_steps": runs["last_steps"].iloc[0],
                     "batches": ", ".join(b for b in batches if b),
                     "final_mean": x,
