@@ -143,14 +143,22 @@ def device_adamw_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch
 
 
 def device_state_step_(fmt, views, grad: torch.Tensor, out: Optional[torch.Tensor], *, lo: int, hi: int,
-                       step_t: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
-                       weight_decay: float, scale_t: Optional[torch.Tensor],
+                       step: int, step_t: torch.Tensor, lr: float, beta1: float, beta2: float,
+                       eps: float, weight_decay: float, scale_t: Optional[torch.Tensor],
                        scratch: torch.Tensor) -> None:
     """Accelerator lane's update of elements [lo, hi) of one subgroup in any state format, on the
-    current stream, never blocking the host: `state_format.device_step_` (fp32: torch's fused
-    AdamW on the slices, as `device_adamw_`; bf16/int8: decoded into `scratch`, the same fused
-    kernel, encoded back)."""
+    current stream, never blocking the host. fp32: torch's fused AdamW on the slices (as
+    `device_adamw_`). bf16/int8: one fused kernel (dos.state_kernels, Triton) where the device
+    can run it, else `state_format.device_step_` (decoded into `scratch`, torch's fused kernel,
+    encoded back). `step` is the host's count, `step_t` the same on the device."""
     from dos import state_format as sf
+    from dos import state_kernels
 
+    name = sf.state_format(fmt).name
+    if name != "fp32" and state_kernels.available(views.master):
+        state_kernels.fused_step_(name, views, grad, out, lo=lo, hi=hi, step=step, lr=lr,
+                                  beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                  scale_t=scale_t)
+        return
     sf.device_step_(fmt, views, grad, out, lo=lo, hi=hi, step_t=step_t, lr=lr, beta1=beta1,
                     beta2=beta2, eps=eps, weight_decay=weight_decay, scale_t=scale_t, scratch=scratch)

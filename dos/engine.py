@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from . import adam, checkpoint, surface
+from . import adam, checkpoint, state_kernels, surface
 from .binding import make_binding
 from .buffers import DeviceBuffers, HostArena, arena_blocks
 from .config import EngineConfig
@@ -276,6 +276,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return {"plan": self.plan.to_record(), "config": self.config.to_record(),
                 "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
                 "state_dtype": self.state_format.name,
+                # what the accelerator lane runs for this format (dos.state_kernels)
+                "device_state_impl": state_kernels.impl_name(self._dev.scratch, self.state_format.name),
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
                 "n_params": self.layout.n_params, "online": self.online_record(),
                 "clients": self.binding.track.record(),  # dos.params: re-sends, re-syncs, skips

@@ -87,7 +87,7 @@ class Lanes:
             if step is None:
                 continue  # no gradient this step: untouched, as torch.optim.AdamW
             step_t = self.step_t[sg.bucket] if step == h.step else torch.full((), float(step), device=state.device)
-            adam.device_state_step_(self.dev.fmt, views, grad, param, lo=lo, hi=hi, step_t=step_t,
+            adam.device_state_step_(self.dev.fmt, views, grad, param, lo=lo, hi=hi, step=step, step_t=step_t,
                                     lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                                     weight_decay=h.weight_decay, scale_t=scale_t,
                                     scratch=self.dev.scratch)

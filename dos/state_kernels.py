@@ -1,0 +1,211 @@
+"""Fused accelerator-lane kernels (Triton) for the low-precision state formats.
+
+`state_format.device_step_` without these decodes bf16/int8 moments into an fp32 scratch, runs
+torch's fused AdamW and encodes back: per element ~64 B of device-memory traffic for bf16 against
+the fp32 state's ~40 B (docs/DESIGN.md §3.7), so the format that moves fewer bytes ran slower on
+the GPU. One kernel here reads each input once and writes each output once:
+
+    bf16: grad (2, its dtype), master 4 + 4, exp_avg 2 + 2, exp_avg_sq 2 + 2, weights out (2) = 20 B
+    int8: grad 2, master 8, codes 2 + 2, weights 2, scales 16/BLOCK                             = 16 B
+
+The arithmetic is `state_format`'s documented order, op for op: no FMA contraction
+(`enable_fp_fusion=False`), correctly rounded division and sqrt (`div_rn`, `sqrt_rn`), constants
+rounded once to fp32 on the host as `state_format._math_` does, the codes' RNE by the 1.5 * 2^23
+trick (exact for their range, [0, 256.5)), bf16 storage by c10::BFloat16's integer rule. So the result is `reference_step_`'s, to the bit, wherever the
+GPU's fp32 operations are IEEE (tests/test_state_kernels.py checks that bound on CUDA and under
+Triton's CPU interpreter, with the looser bounds of tests/test_state_format.py as the fallback).
+
+fp32 state keeps torch's fused AdamW (the default is equal to torch.optim.AdamW(fused=True), not
+to another kernel's rounding). Triton is optional: `available(t)` says whether a tensor's device
+can run these (CUDA with Triton importable, or any device under TRITON_INTERPRET=1);
+DOS_NO_TRITON=1 forces the torch-op path (an A/B switch).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+try:  # optional: the CPU-only install has no Triton; the device image has it
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the fused kernels run on `t`'s device (and are not switched off)."""
+    if triton is None or os.environ.get("DOS_NO_TRITON", "0") not in ("", "0"):
+        return False
+    return t.device.type == "cuda" or (_interpreting() and t.device.type == "cpu")
+
+
+def impl_name(t: Optional[torch.Tensor] = None, fmt: str = "bf16") -> str:
+    """What the accelerator lane runs for `fmt` (recorded with runs): 'triton-fused' or 'torch-ops'."""
+    if fmt == "fp32":
+        return "torch-fused"
+    ok = triton is not None and (t is None or available(t))
+    return "triton-fused" if ok else "torch-ops"
+
+
+if triton is not None:
+    _RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + _RNE) - _RNE rounds 0 <= x < 2^22 to nearest even
+    _NAN = tl.constexpr(float("nan"))
+    _FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+    @triton.jit
+    def _bf16_rne(x):
+        # fp32 -> bf16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's rule, in integer ops
+        # (Triton's interpreter truncates in `.to(tl.bfloat16)`; the GPU's cvt.rn would agree)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        hi = tl.where(x != x, 0x7FC0, bits >> 16)
+        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _to_out(p, out_ptr):
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            return _bf16_rne(p)
+        else:
+            return p.to(out_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _adam_math(p, g, m, v, scale_ptr, wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
+                   HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr):
+        # state_format._math_, one fp32 operation at a time
+        if HAS_SCALE:
+            g = tl.div_rn(g, tl.load(scale_ptr))
+        if HAS_WD:
+            p = p * wdf
+        d = g - m
+        if SMALL_W:
+            m = d * w + m
+        else:
+            m = d * wm1 + g
+        v = v * beta2
+        v = (g * omb2) * g + v
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2s) + eps
+        p = p + tl.div_rn(m * step_size, denom)
+        return p, m, v
+
+    @triton.jit
+    def _bf16_kernel(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, scale_ptr, n,
+                     wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
+                     HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr,
+                     HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+        p, m, v = _adam_math(p, g, m, v, scale_ptr, wdf, w, wm1, beta2, omb2, step_size, bc2s,
+                             eps, HAS_SCALE, HAS_WD, SMALL_W)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, _bf16_rne(m), mask=mask)
+        tl.store(v_ptr + offs, _bf16_rne(v), mask=mask)
+        if HAS_OUT:
+            tl.store(out_ptr + offs, _to_out(p, out_ptr), mask=mask)
+
+    @triton.jit
+    def _int8_kernel(p_ptr, q_ptr, r_ptr, s_ptr, g_ptr, out_ptr, scale_ptr, n, nb, lo, hi,
+                     wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
+                     HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr,
+                     HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per scale block b touched by [lo, hi): decode the whole block, update the
+        # elements in [lo, hi), re-encode the whole block with its new scales (state_format's
+        # int8 section). Pointers are the whole subgroup's.
+        b = lo // BLOCK + tl.program_id(0)
+        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        upd = (offs >= lo) & (offs < hi)
+        s_m0 = tl.load(s_ptr + b)
+        s_v0 = tl.load(s_ptr + nb + b)
+        q = tl.load(q_ptr + offs, mask=inside, other=0).to(tl.float32)
+        a = tl.load(r_ptr + offs, mask=inside, other=0).to(tl.float32) + 1.0
+        m = (q * tl.abs(q)) * tl.div_rn(s_m0, 16129.0)
+        a = a * a
+        v = (a * a) * (s_v0 * 2.3283064365386963e-10)  # 2^-32, exact
+        m = tl.where(inside, m, 0.0)
+        v = tl.where(inside, v, 0.0)
+        p = tl.load(p_ptr + offs, mask=upd, other=0.0)
+        g = tl.load(g_ptr + offs, mask=upd, other=0.0).to(tl.float32)
+        p2, m2, v2 = _adam_math(p, g, m, v, scale_ptr, wdf, w, wm1, beta2, omb2, step_size,
+                                bc2s, eps, HAS_SCALE, HAS_WD, SMALL_W)
+        m = tl.where(upd, m2, m)
+        v = tl.where(upd, v2, v)
+        tl.store(p_ptr + offs, p2, mask=upd)
+        if HAS_OUT:
+            tl.store(out_ptr + offs, _to_out(p2, out_ptr), mask=upd)
+        # scales: max |.| of the block; NaN if any moment is NaN or inf (the block is poisoned)
+        am, av = tl.abs(m), tl.abs(v)
+        bad_m = tl.max(((am != am) | (am > _FLT_MAX)).to(tl.int32), axis=0) > 0
+        bad_v = tl.max(((av != av) | (av > _FLT_MAX)).to(tl.int32), axis=0) > 0
+        s_m = tl.where(bad_m, _NAN, tl.max(tl.where(am != am, 0.0, am), axis=0))
+        s_v = tl.where(bad_v, _NAN, tl.max(tl.where(av != av, 0.0, av), axis=0))
+        km = tl.where(s_m > 0, tl.div_rn(16129.0, s_m), 0.0)
+        kv = tl.where(s_v > 0, tl.div_rn(1.0, s_v), 0.0)
+        u = (tl.sqrt_rn(am * km) + _RNE) - _RNE
+        u = tl.minimum(tl.where(u != u, 0.0, u), 127.0)
+        u = tl.where(m < 0, -u, u)  # copysign; -0 stores as 0
+        tl.store(q_ptr + offs, u.to(tl.int8), mask=inside)
+        u = ((tl.sqrt_rn(tl.sqrt_rn(v * kv)) * 256.0 + _RNE) - _RNE) - 1.0
+        u = tl.minimum(tl.maximum(tl.where(u != u, 0.0, u), 0.0), 255.0)
+        tl.store(r_ptr + offs, u.to(tl.uint8), mask=inside)
+        tl.store(s_ptr + b, s_m)
+        tl.store(s_ptr + nb + b, s_v)
+
+
+def _f32(x: float) -> float:
+    """x rounded once to fp32 (as state_format._f32), returned as a Python float."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _constants(step: int, lr, beta1, beta2, eps, weight_decay):
+    """The fp32 constants of state_format._math_ (computed in double, rounded once)."""
+    sd = _f32(float(step))
+    bc1, bc2 = 1 - beta1 ** sd, 1 - beta2 ** sd
+    w = _f32(1 - beta1)
+    return dict(wdf=_f32(1 - lr * weight_decay), w=w, wm1=_f32(w - 1.0), beta2=_f32(beta2),
+                omb2=_f32(1 - beta2), step_size=_f32(-(lr / bc1)), bc2s=_f32(math.sqrt(bc2)),
+                eps=_f32(eps)), dict(HAS_WD=weight_decay != 0.0, SMALL_W=abs(w) < 0.5)
+
+
+def fused_step_(fmt: str, views, grad: torch.Tensor, out: Optional[torch.Tensor], *, lo: int,
+                hi: int, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, scale_t: Optional[torch.Tensor]) -> None:
+    """`state_format.device_step_` for bf16/int8 in one kernel launch (see the module docstring).
+    `step` is the host's step count; `scale_t` a 0-d fp32 divisor on the device or None. Never
+    syncs the host; the grad is not written."""
+    n = views.master.numel()
+    if lo == hi:
+        return
+    consts, flags = _constants(step, lr, beta1, beta2, eps, weight_decay)
+    has_out = out is not None and out.data_ptr() != views.master.data_ptr()
+    scale = scale_t if scale_t is not None else views.master  # any pointer: not read
+    opts = dict(HAS_SCALE=scale_t is not None, HAS_OUT=has_out, **flags)
+    if not _interpreting():
+        opts["enable_fp_fusion"] = False  # a * b + c stays two roundings (the documented order)
+    if fmt == "bf16":
+        B = 2048
+        o = out[lo:hi] if has_out else views.master[lo:hi]
+        _bf16_kernel[(triton.cdiv(hi - lo, B),)](
+            views.master[lo:hi], views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi], grad[lo:hi], o,
+            scale, hi - lo, **consts, BLOCK=B, num_warps=8, **opts)
+    elif fmt == "int8":
+        from .state_format import BLOCK, nblocks
+        nb = nblocks(n)
+        b0, b1 = lo // BLOCK, -(-hi // BLOCK)
+        o = out if has_out else views.master
+        _int8_kernel[(b1 - b0,)](
+            views.master, views.exp_avg, views.exp_avg_sq, views.scales, grad, o, scale, n, nb,
+            lo, hi, **consts, BLOCK=BLOCK, num_warps=8, **opts)
+    else:
+        raise ValueError(f"no fused kernel for state dtype {fmt!r} (fp32 runs torch's fused AdamW)")
