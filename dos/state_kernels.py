@@ -57,7 +57,8 @@ def impl_name(t: Optional[torch.Tensor] = None, fmt: str = "bf16") -> str:
 
 if triton is not None:
     _RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + _RNE) - _RNE rounds 0 <= x < 2^22 to nearest even
-    _NAN = tl.constexpr(float("nan"))
+    _NAN_BITS = tl.constexpr(0x7FC00000)  # fp32 NaN (a NaN constexpr would never equal itself:
+    # Triton re-checks globals at every launch and refused "_NAN has changed")
     _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
     @triton.jit
@@ -148,8 +149,9 @@ if triton is not None:
         am, av = tl.abs(m), tl.abs(v)
         bad_m = tl.max(((am != am) | (am > _FLT_MAX)).to(tl.int32), axis=0) > 0
         bad_v = tl.max(((av != av) | (av > _FLT_MAX)).to(tl.int32), axis=0) > 0
-        s_m = tl.where(bad_m, _NAN, tl.max(tl.where(am != am, 0.0, am), axis=0))
-        s_v = tl.where(bad_v, _NAN, tl.max(tl.where(av != av, 0.0, av), axis=0))
+        nan = tl.full([], _NAN_BITS, tl.uint32).to(tl.float32, bitcast=True)
+        s_m = tl.where(bad_m, nan, tl.max(tl.where(am != am, 0.0, am), axis=0))
+        s_v = tl.where(bad_v, nan, tl.max(tl.where(av != av, 0.0, av), axis=0))
         km = tl.where(s_m > 0, tl.div_rn(16129.0, s_m), 0.0)
         kv = tl.where(s_v > 0, tl.div_rn(1.0, s_v), 0.0)
         u = (tl.sqrt_rn(am * km) + _RNE) - _RNE
