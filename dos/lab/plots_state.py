@@ -15,12 +15,24 @@ DTYPE_STYLE = {"fp32": ("-", None, 1.0), "bf16": ("--", "//", 0.75), "int8": (":
 STATE_PRECISION_MISSING = "no records yet: run\nexperiments/sweeps/\n{}\non the H200"
 
 
+def batch_tag(batch_id: str) -> str:
+    """A short name of a batch for a tick label: its session tag ("s16") and what follows the model
+    ("-auto"), else its timestamp."""
+    import re
+
+    m = re.search(r"-(s\d+)-", batch_id)
+    if not m:
+        return batch_id[:14]
+    tail = re.search(r"-(\d+(?:\.\d+)?b)-?(.*)$", batch_id, re.IGNORECASE)
+    return m.group(1) + (f"-{tail.group(2)}" if tail and tail.group(2) else "")
+
+
 def state_precision(conv_steps: pd.DataFrame, conv_rows: pd.DataFrame, speed: pd.DataFrame,
                     memory: pd.DataFrame, smooth: int = 10, note: str = ""):
     """Fig. 13 (issue 17): left, the loss per step (`smooth`-step mean) of every run on the stdlib
     corpus, the no-offload runs as a grey band (min-max over its repeats) and each system and
     moment format in its colour and line style; middle, the median update phase and iteration
-    (min-max bars) per system and moment format, per model; right, the measured host bytes per
+    (min-max bars) per system and moment format, per model and batch; right, the measured host bytes per
     non-resident parameter of dos per moment format, the targets (10 for bf16, 8 for int8) marked.
     An empty input gives a panel naming the sweep to run."""
     fig, axes = figure(1, 3, w=4.4, h=4.2)
@@ -50,12 +62,15 @@ def state_precision(conv_steps: pd.DataFrame, conv_rows: pd.DataFrame, speed: pd
     # -- speed
     d = speed[speed["status"].eq("ok")] if "status" in speed and len(speed) else speed
     if len(d):
-        d = d.assign(state_dtype=d["state_dtype"].replace("", "fp32"))
-        g = d.groupby(["model", "key", "state_dtype"], sort=False).agg(
+        # one group of bars per batch: medians and ranges are never pooled across batches
+        # (machines, days); the tick names the batch by its short tag
+        d = d.assign(state_dtype=d["state_dtype"].replace("", "fp32"),
+                     batch=d["batch_id"].fillna("").astype(str).map(batch_tag) if "batch_id" in d else "")
+        g = d.groupby(["model", "batch", "key", "state_dtype"], sort=False).agg(
             iter_med=("iter_s", "median"), iter_min=("iter_s", "min"), iter_max=("iter_s", "max"),
             step_med=("step_s", "median"), n_params=("n_params", "first")).reset_index()
         g = g.assign(_r=g["key"].map({k: i for i, k in enumerate(ORDER)}),
-                     _d=g["state_dtype"].map({k: i for i, k in enumerate(DTYPE_STYLE)})).sort_values(["n_params", "_r", "_d"])
+                     _d=g["state_dtype"].map({k: i for i, k in enumerate(DTYPE_STYLE)})).sort_values(["n_params", "batch", "_r", "_d"])
         x = np.arange(len(g))
         for xi, r in zip(x, g.itertuples()):
             _, hatch, alpha = DTYPE_STYLE.get(r.state_dtype, ("-", None, 1.0))
@@ -64,10 +79,12 @@ def state_precision(conv_steps: pd.DataFrame, conv_rows: pd.DataFrame, speed: pd
             b.bar(xi, r.step_med, 0.8, color=col, alpha=alpha, hatch=hatch, edgecolor="white")
             b.errorbar(xi, r.iter_med, yerr=[[r.iter_med - r.iter_min], [r.iter_max - r.iter_med]], color="0.2",
                        capsize=2, lw=0.8)
-        b.set_xticks(x, [f"{r.model} {r.key} {r.state_dtype}" for r in g.itertuples()], rotation=60,
+        for xi in x[1:][(g["batch"].values[1:] != g["batch"].values[:-1]) | (g["model"].values[1:] != g["model"].values[:-1])]:
+            b.axvline(xi - 0.5, color="0.6", lw=0.6, ls=":")  # a new batch
+        b.set_xticks(x, [f"{r.model} {r.batch} {r.key} {r.state_dtype}" for r in g.itertuples()], rotation=60,
                      ha="right", fontsize=6)
         b.set_ylabel("seconds (solid: update phase; pale: iteration)")
-        b.set_title("update phase and iteration, median (min-max)", fontsize=9)
+        b.set_title("update phase and iteration per batch, median (min-max)", fontsize=9)
     else:
         empty(b, "update phase per moment format", STATE_PRECISION_MISSING.format("state-dtype-speed.yaml"))
     # -- host bytes per non-resident parameter
