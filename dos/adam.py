@@ -160,5 +160,8 @@ def device_state_step_(fmt, views, grad: torch.Tensor, out: Optional[torch.Tenso
                                   beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                   scale_t=scale_t)
         return
+    need = 0 if name == "fp32" and grad.dtype == torch.float32 else sf.scratch_numel(name, views.master.numel())
+    if scratch.numel() < need:  # sized for the fused kernels (none): this call's own, stream-ordered
+        scratch = torch.empty(need, dtype=torch.float32, device=views.master.device)
     sf.device_step_(fmt, views, grad, out, lo=lo, hi=hi, step_t=step_t, lr=lr, beta1=beta1,
                     beta2=beta2, eps=eps, weight_decay=weight_decay, scale_t=scale_t, scratch=scratch)

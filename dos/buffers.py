@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import state_kernels
 from .partition import Layout
 from .plan import RESIDENT
 from .state_format import StateFormat, scratch_numel
@@ -222,7 +223,11 @@ class DeviceBuffers:
         self.grads = [torch.zeros(n, dtype=d, device=device) for n, d in self._grad_shapes]
 
     def _need_scratch(self, n: int) -> None:
-        need = scratch_numel(self.fmt, n)
+        # bf16/int8 state on a device that runs dos.state_kernels' fused kernels needs none (they
+        # read the gradient in its dtype); the torch-op path allocates its own if it runs later
+        # (DOS_NO_TRITON set after construction: adam.device_state_step_)
+        fused = self.fmt.name != "fp32" and state_kernels.available(self.scratch)
+        need = 0 if fused else scratch_numel(self.fmt, n)
         if self._low and self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.float32, device=self.scratch.device)
 

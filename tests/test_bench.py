@@ -481,3 +481,18 @@ def test_numa_gib_sums_each_nodes_pages_at_their_page_size():
             "7f20 default anon=1\n")
     assert numa_gib(text) == {"N0": 2.0, "N1": 2.0}
     assert numa_gib("") == {}
+
+
+def test_kernel_bench_times_every_state_format(tmp_path, monkeypatch):
+    """`python -m dos.lab.bench.kernel` rows for dos's CPU kernel on fp32, bf16 and int8 moments
+    (issue 17: the CPU lane per format, apart from the engine), each with its byte count."""
+    from dos.lab.bench import kernel
+
+    monkeypatch.setattr(kernel, "deepspeed_impls", lambda *a: [])  # its JIT build: a minute here
+    rows = kernel.run([1], 6000, "kernel-probe", 1, tmp_path)
+    by = {r["impl"]: r for r in rows}
+    for name, nbytes in (("dos", 28), ("dos-bf16", 20), ("dos-int8", 16)):
+        assert by[name]["status"] == "ok" and by[name]["bytes_per_param"] == nbytes, by[name]
+        assert by[name]["median_s"] > 0
+    with open(tmp_path / "kernel-probe" / "runs.csv") as f:
+        assert {"dos-bf16", "dos-int8"} <= {r["impl"] for r in csv.DictReader(f)}

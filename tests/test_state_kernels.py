@@ -202,3 +202,26 @@ def test_engine_gpu_lanes_run_the_fused_kernel(device, fmt, placement, monkeypat
         assert max_diff(a, ref_m) == 0.0
     else:
         assert max_diff(a, ref_m) <= 2e-4
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_no_scratch_with_the_fused_kernels_and_the_fallback_brings_its_own(device, fmt, monkeypatch):
+    """With the fused kernels the GPU side holds no fp32 scratch for bf16/int8 state (GPU memory
+    for resident subgroups instead); switching them off mid-run (DOS_NO_TRITON=1) falls back to the
+    torch-op path, which allocates its own, and the run stays on the reference."""
+    import dos
+    from test_state_dtype import HP, Reference, batches, max_diff, model, train
+    a = model(device=device)
+    ref_m = copy.deepcopy(a)
+    opt = dos.DeepOptimizerStates(a.parameters(), subgroup_numel=2500, state_dtype=fmt,
+                                  placement="gpu", **HP)
+    assert opt._dev.scratch.numel() == 0
+    assert opt.describe()["device_state_impl"] == "triton-fused"
+    data = batches(device, n=6)
+    train(a, opt, data[:3])
+    monkeypatch.setenv("DOS_NO_TRITON", "1")
+    assert opt.describe()["device_state_impl"] == "torch-ops"
+    train(a, opt, data[3:])
+    ref = Reference(ref_m.parameters(), opt, fmt)
+    train(ref_m, ref, data)
+    assert max_diff(a, ref_m) <= 2e-4

@@ -16,6 +16,10 @@ STREAM's convention (no write-allocate; scratch that stays in cache is free):
   deepspeed+cast    34 = 4 fp32 grad + 24 state + 4 master re-read + 2 bf16 out
   deepspeed-step    28 = 4 fp32 grad + 24 state (the step alone, without the cast)
   torch-fused-step  28 = 4 fp32 grad + 24 state (torch._fused_adamw_ alone, one call)
+  dos-bf16          20 = master 4 + 4, bf16 moments 2 x (2 + 2), 2 bf16 grad in, 2 weights out
+  dos-int8          16 = master 4 + 4, int8/uint8 codes 2 x (1 + 1), 2 + 2 (scales: 16 B/2048)
+(the last two: dos's CPU kernel on bf16 / int8 moments, dos/state_format.py; the engine's CPU lane
+with `state_dtype`, measured apart from the lanes and copies: issue 17, criterion 3)
 stream-copy (b -> a) counts 8 B, stream-triad (a = b + 3c) 12 B and stream-add-inplace (a += b, the
 kernels' read-modify-write pattern, no write-allocate) 12 B per element.
 """
@@ -83,10 +87,29 @@ def make_impls(n: int) -> List[Impl]:
     return [
         Impl("dos", 28, lambda t: cpu_adamw_(master, m, v, g16, g16, step=_next(), threads=t, **HP),
              build_s=build_s),
+        *lowp_impls(n, g16),
         Impl("torch-fused+cast", 32, lambda t: torch_cpu_adamw_(master, m, v, g16, g16, step=_next(), **HP)),
         *deepspeed_impls(master, m, v, g32, g16),
         Impl("torch-fused-step", 28, torch_step),
     ]
+
+
+def lowp_impls(n: int, g16: torch.Tensor) -> List[Impl]:
+    """dos's CPU kernel on bf16 and int8 moments (own state buffers, the shared bf16 gradient)."""
+    from dos import state_format as sf
+    from dos.adam import cpu_state_step_
+
+    out = []
+    for name, fmt, nbytes in (("dos-bf16", "bf16", 20), ("dos-int8", "int8", 16)):
+        f = sf.state_format(fmt)
+        buf = torch.zeros(f.nbytes(n), dtype=torch.uint8)
+        views = f.views(buf, n)
+        _fill(views.master, 0.02, 5)
+
+        def step(t, views=views, fmt=fmt):
+            cpu_state_step_(fmt, views, g16, g16, lo=0, hi=n, step=_next(), threads=t, **HP)
+        out.append(Impl(name, nbytes, step))
+    return out
 
 
 _steps = iter(range(1, 1 << 62))
@@ -195,7 +218,7 @@ def append_rows(path: Path, rows: List[dict]) -> None:
 
 def run(threads: List[int], params: int, sweep: str, reps: int, out: Path) -> List[dict]:
     """Measure every thread count; rows are appended after each (a killed run keeps them)."""
-    need = params * (12 + 2 + 4) + 3 * 4 * min(params, STREAM_ELEMS)
+    need = params * (12 + 2 + 4 + 8 + 6) + 3 * 4 * min(params, STREAM_ELEMS)
     avail = psutil.virtual_memory().available
     if need > 0.9 * avail:
         raise MemoryError(f"needs {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
