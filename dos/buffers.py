@@ -44,22 +44,74 @@ def _page(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
+def ring_slot_bytes(layout: Layout, itemsize: Sequence[int]) -> int:
+    """PURE: bytes of one gradient-ring slot: the largest subgroup's gradient, page-rounded."""
+    return _page(max((itemsize[s.bucket] * s.numel for s in layout.subgroups), default=0))
+
+
 def arena_blocks(layout: Layout, lanes: Sequence[str], itemsize: Sequence[int],
-                 fmt: StateFormat = StateFormat("fp32")) -> Tuple[Dict[int, Block], int]:
+                 fmt: StateFormat = StateFormat("fp32"), grad_ring: Optional[int] = None
+                 ) -> Tuple[Dict[int, Block], int]:
     """PURE: blocks of the host-backed subgroups and the arena's size in bytes.
 
     `itemsize[b]` is the byte size of bucket b's param dtype (the host gradient's dtype); `fmt`
-    the state's format (its bytes per subgroup).
+    the state's format (its bytes per subgroup). `grad_ring` K: the blocks hold the state only
+    (grad_offset = its end, nothing there) and the arena ends in K ring slots (`ring_slot_bytes`).
     """
     blocks, off = {}, 0
     for s in layout.subgroups:
         if lanes[s.index] == RESIDENT:
             continue
-        g_off = (fmt.nbytes(s.numel) + 63) // 64 * 64
-        nbytes = _page(g_off + itemsize[s.bucket] * s.numel)
+        if grad_ring:
+            g_off = fmt.nbytes(s.numel)
+            nbytes = _page(g_off)
+        else:
+            g_off = (fmt.nbytes(s.numel) + 63) // 64 * 64
+            nbytes = _page(g_off + itemsize[s.bucket] * s.numel)
         blocks[s.index] = Block(offset=off, numel=s.numel, grad_offset=g_off, nbytes=nbytes)
         off += nbytes
+    if grad_ring:
+        off += grad_ring * ring_slot_bytes(layout, itemsize)
     return blocks, off
+
+
+class GradRing:
+    """The host gradients of the CPU-lane subgroups in K shared slots (`EngineConfig.grad_ring`).
+
+    `host.grad[s]` is subgroup s's view into the slot this step assigned it (`assign`: the CPU
+    lane's order, slot j % K for its j-th subgroup). Invariant (dos.lanes, dos.grads): the j-th
+    subgroup's gradient D2H is issued only after the (j-K)-th's weight upload out of the same
+    slot was queued, and the copy stream waits for that upload (`free[k]`, its event)."""
+
+    def __init__(self, slots: List[torch.Tensor], dtypes: Dict[int, torch.dtype], numels: Dict[int, int]):
+        self.slots, self.dtypes, self.numels = slots, dict(dtypes), dict(numels)
+        self.slot_of: Dict[int, int] = {}
+        self.free: List = [None] * len(slots)  # event: the slot's last weight upload (None: none)
+
+    @property
+    def k(self) -> int:
+        return len(self.slots)
+
+    def assign(self, order: Sequence[int]) -> None:
+        self.slot_of = {s: j % self.k for j, s in enumerate(order)}
+
+    def __getitem__(self, s: int) -> torch.Tensor:
+        if s not in self.slot_of:
+            raise KeyError(f"subgroup {s} has no gradient-ring slot this step")
+        d = self.dtypes[s]
+        return self.slots[self.slot_of[s]][: d.itemsize * self.numels[s]].view(d)
+
+    def __contains__(self, s) -> bool:
+        return s in self.numels
+
+    def __delitem__(self, s: int) -> None:
+        self.dtypes.pop(s, None)
+        self.numels.pop(s, None)
+
+    def clear(self) -> None:
+        self.dtypes.clear()
+        self.numels.clear()
+        self.slot_of = {}
 
 
 def available_host_bytes() -> Tuple[int, str]:
@@ -121,10 +173,14 @@ class HostArena:
     """The host side of the optimizer state: one exact-size mapping, one block per subgroup."""
 
     def __init__(self, blocks: Dict[int, Block], nbytes: int, dtypes: Dict[int, torch.dtype], pin: bool,
-                 fmt: StateFormat = StateFormat("fp32")):
+                 fmt: StateFormat = StateFormat("fp32"), ring: Optional[int] = None):
         self.nbytes = nbytes
         self.blocks = blocks
         self.fmt = fmt
+        # the gradient ring's `ring` slots: the arena's bytes after the blocks (arena_blocks)
+        end = sum(b.nbytes for b in blocks.values())
+        ring_slot = (nbytes - end) // ring if ring else 0
+        self._ring_span = (end, nbytes - end) if ring else None
         self._map = mmap.mmap(-1, max(nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults and faster pinning
@@ -133,11 +189,18 @@ class HostArena:
         if pin and blocks:
             self.pin()
         self.state: Dict[int, torch.Tensor] = {}  # uint8, fmt.nbytes(n): fmt.views(state, n)
-        self.grad: Dict[int, torch.Tensor] = {}  # param dtype, n
+        self.grad = {}  # param dtype, n: a slot per subgroup, or the GradRing
+        self.ring: Optional[GradRing] = None
         for s, b in blocks.items():
             self.state[s] = self.bytes[b.offset: b.offset + fmt.nbytes(b.numel)]
-            g = self.bytes[b.offset + b.grad_offset:]
-            self.grad[s] = g[: dtypes[s].itemsize * b.numel].view(dtypes[s])
+            if not ring:
+                g = self.bytes[b.offset + b.grad_offset:]
+                self.grad[s] = g[: dtypes[s].itemsize * b.numel].view(dtypes[s])
+        if ring:
+            off = self._ring_span[0]
+            self.ring = self.grad = GradRing(
+                [self.bytes[off + k * ring_slot: off + (k + 1) * ring_slot] for k in range(ring)],
+                {s: dtypes[s] for s in blocks}, {s: b.numel for s, b in blocks.items()})
 
     def pin(self) -> None:
         """Page-lock every block (in parallel threads). Resident-first sizing (dos.planner) pins
@@ -145,14 +208,18 @@ class HostArena:
         base = self.bytes.data_ptr()
         cudart = _cudart()
 
-        def register(b: Block) -> int:
-            err = cudart.cudaHostRegister(base + b.offset, b.nbytes, 0)
+        def register(span: Tuple[int, int]) -> int:
+            offset, nbytes = span
+            err = cudart.cudaHostRegister(base + offset, nbytes, 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {b.nbytes} bytes failed with error {err}")
-            return base + b.offset
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with error {err}")
+            return base + offset
 
+        spans = [(b.offset, b.nbytes) for b in self.blocks.values()]
+        if self._ring_span and self._ring_span[1]:
+            spans.append(self._ring_span)
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-            self._registered = list(pool.map(register, self.blocks.values()))
+            self._registered = list(pool.map(register, spans))
 
     def release(self, s: int) -> None:
         """Give subgroup s's block back to the OS (its state now lives on the GPU). The caller

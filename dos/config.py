@@ -75,6 +75,12 @@ class EngineConfig:
     """Storage of the Adam moments (dos/state_format.py): "fp32" (torch.optim.AdamW exactly), "bf16"
     (round-to-nearest-even) or "int8" (block-wise quantized, 2048-element blocks with an fp32
     scale each). The master weights and the math stay fp32 in every format."""
+    grad_ring: Optional[int] = None
+    """Host gradient slots shared by the CPU-lane subgroups (K >= 2), instead of one per subgroup:
+    the host then holds only the state (and K subgroups' gradients), not 2 more bytes per
+    parameter; each gradient goes down in `step()`, K subgroups ahead of the CPU lane, into the
+    slot whose last occupant's weights have gone up. None: a slot per subgroup, gradients sent
+    during backward. Not with overlap_backward (its updates start before step())."""
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
@@ -104,6 +110,12 @@ class EngineConfig:
         from .state_format import STATE_DTYPES
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
+        if self.grad_ring is not None and (not isinstance(self.grad_ring, int) or isinstance(self.grad_ring, bool)
+                                           or self.grad_ring < 2):
+            raise ValueError(f"grad_ring must be an int >= 2 or None, got {self.grad_ring!r}")
+        if self.grad_ring is not None and self.overlap_backward:
+            raise ValueError("grad_ring needs overlap_backward=False: the ring's gradients go to the "
+                             "host in step(), after backward")
         if self.overlap_backward and self.max_grad_norm is not None:
             raise ValueError("overlap_backward=True needs max_grad_norm=None: clipping needs the norm "
                              "of every gradient before any subgroup may be updated")

@@ -101,6 +101,9 @@ class EarlyReduced:
     def __init__(self, opt):
         self.grads, self.track = opt._grads, opt.binding.track
         self.layout, self.sync, self.tl = opt.layout, opt._sync, opt._tl
+        if opt._host.ring is not None:
+            raise ValueError("dos's DDP comm hook sends reduced gradients to their host slots during "
+                             "backward; with grad_ring they go down in step(): leave the hook off")
         self.host = opt._host.grad
         # id(p) -> (p, [(subgroup, lo, hi, at)]): elements [lo, hi) of p go to host[subgroup][at:]
         self.pieces: Dict[int, Tuple[torch.Tensor, List[Tuple[int, int, int, int]]]] = {}

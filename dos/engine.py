@@ -37,10 +37,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, *, placement: str = "interleaved", stride="auto",
                  gpu_fraction: float = 0.0, subgroup_numel: Optional[int] = None,
                  max_grad_norm: Optional[float] = None, cpu_threads: Optional[int] = None,
-                 staging_slots: int = 3, replan: bool = True, trace: bool = False,
-                 pin_memory: bool = True,
+                 staging_slots: int = 3, replan: bool = True, trace: bool = False, pin_memory: bool = True,
                  host_memory_limit_gib: Optional[float] = None, overlap_backward: bool = False,
-                 state_dtype: str = "fp32",
+                 state_dtype: str = "fp32", grad_ring: Optional[int] = None,
                  amsgrad: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False, differentiable: bool = False):
         # dos.surface: torch.optim.AdamW's flags (amsgrad/maximize/differentiable refused, the
@@ -52,9 +51,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.config = cfg = EngineConfig(
             placement=placement, stride=stride, gpu_fraction=gpu_fraction, subgroup_numel=subgroup_numel,
             max_grad_norm=max_grad_norm, cpu_threads=cpu_threads, staging_slots=staging_slots,
-            replan=replan, trace=trace, pin_memory=pin_memory,
-            host_memory_limit_gib=host_memory_limit_gib, overlap_backward=overlap_backward,
-            state_dtype=state_dtype)
+            replan=replan, trace=trace, pin_memory=pin_memory, host_memory_limit_gib=host_memory_limit_gib,
+            overlap_backward=overlap_backward, state_dtype=state_dtype, grad_ring=grad_ring)
         self.state_format = fmt = state_format(cfg.state_dtype)
         self._ready = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -73,11 +71,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         dtypes = [trainable[b.slots[0].group][b.slots[0].index].dtype for b in self.layout.buckets]
         self.planner = planner = Planner(cfg, self.layout, dtypes[0].itemsize, device,
                                          local_ranks=binding.local_ranks())
-        blocks, nbytes = arena_blocks(self.layout, planner.plan.lanes, [d.itemsize for d in dtypes], fmt)
-        # before any allocation; resident-first (gpu_fraction="auto"): a lower bound now, the
-        # exact check once the first iteration has sized the resident share (Planner.materialize)
-        binding.preflight(planner.host_need_bound(blocks), self.layout.n_params, cfg.host_memory_limit_gib)
-
+        blocks, nbytes = arena_blocks(self.layout, planner.plan.lanes, [d.itemsize for d in dtypes], fmt,
+                                      cfg.grad_ring)
+        # before any allocation; resident-first (gpu_fraction="auto"): a lower bound now, the exact check once
+        # the first iteration has sized the resident share (Planner.materialize); + grad_ring's slots
+        binding.preflight(planner.host_need_bound(blocks) + nbytes - sum(b.nbytes for b in blocks.values()),
+                          self.layout.n_params, cfg.host_memory_limit_gib)
         self._sync = make_sync(device, timing=cfg.trace or planner.refining)
         self._tl = Timeline(self._sync, trace=cfg.trace, measure=planner.refining)
         n_slots = planner.plan.staging_slots if STAGED in planner.plan.lanes else 0
@@ -87,7 +86,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._host = HostArena(blocks, nbytes,
                                {s: dtypes[self.layout.subgroups[s].bucket] for s in blocks},
                                pin=cfg.pin_memory and device.type == "cuda" and not planner.deferred_host,
-                               fmt=fmt)
+                               fmt=fmt, ring=cfg.grad_ring)
         binding.adopt(self, self._params, self._dev)
         self._dev.alloc_grads()  # after adopt: the constructor's GPU peak is 2x the weights
         self._grads = GradRouter(self.layout, planner.plan.lanes, binding.hooked(self._params), self._dev,
@@ -260,7 +259,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     # -- reporting --------------------------------------------------------------------------------
     @property
     def host_bytes(self) -> int:
-        """Bytes of host memory the optimizer allocated (the arena)."""
+        """Bytes of host memory the optimizer allocated (the arena, grad_ring's slots included)."""
         return self._host.nbytes
 
     @property
@@ -276,7 +275,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return {"plan": self.plan.to_record(), "config": self.config.to_record(),
                 "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
                 "state_dtype": self.state_format.name,
-                # what the accelerator lane runs for this format (dos.state_kernels)
                 "device_state_impl": state_kernels.impl_name(self._dev.scratch, self.state_format.name),
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
                 "n_params": self.layout.n_params, "online": self.online_record(),

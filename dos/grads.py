@@ -17,6 +17,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from .buffers import GradRing
 from .params import grad_view
 from .partition import Layout, ParamSlot, subgroups_of
 from .plan import CPU
@@ -26,6 +27,9 @@ class GradRouter:
     def __init__(self, layout: Layout, lanes: Sequence[str], params: Dict[ParamSlot, torch.nn.Parameter],
                  dev, host, sync, timeline):
         self.layout, self.lanes, self.dev, self.host, self.sync, self.tl = layout, lanes, dev, host, sync, timeline
+        # dos.buffers.GradRing (EngineConfig.grad_ring): the CPU lane sends each gradient itself,
+        # in step(), into a shared slot (Lanes._cpu); backward and flush send none
+        self.ring = host if isinstance(host, GradRing) else None
         n = len(layout.subgroups)
         self.need = [0] * n  # parameters per subgroup
         self.count = [0] * n  # parameters whose gradient is final in the current backward
@@ -70,18 +74,21 @@ class GradRouter:
                 self.count[s] += 1
                 if self.count[s] == self.need[s]:
                     self.count[s] = 0
-                    if self.lanes[s] == CPU and self.ddp is None and (
+                    if self.lanes[s] == CPU and self.ddp is None and self.ring is None and (
                             self.send_early or self.cpu_lane.starts_in_backward):
                         self.send(s)
                         self.cpu_lane.submit(s)
         return hook
 
-    def send(self, s: int) -> None:
-        """Start the D2H of subgroup s's gradient into its host block."""
+    def send(self, s: int, after_upload=None) -> None:
+        """Start the D2H of subgroup s's gradient into its host block (or ring slot: then after
+        `after_upload`, the event of the slot's last weight upload, if any)."""
         # The gradient is complete on the main stream only once the kernels that made it have run.
         # (This also orders the copy after last step's upload of the weights out of the same host
         # buffer: the main stream waited for that upload before this step's forward.)
         after = [(self.sync.record("main"), "backward->grad_d2h")]
+        if after_upload is not None:
+            after.append((after_upload, "upload->grad_d2h(ring)"))
         with self.tl.stage("grad", after, "grad_d2h", s, self.layout.subgroups[s].numel,
                            sink=self.spans) as copied:
             self.host[s].copy_(self.dev.grad(self.layout, s), non_blocking=True)
@@ -92,7 +99,7 @@ class GradRouter:
         """Before an update: every CPU-lane subgroup's host gradient must be the final one."""
         for s, lane in enumerate(self.lanes):
             self.count[s] = 0
-            if lane == CPU and not self.sent[s]:
+            if lane == CPU and not self.sent[s] and self.ring is None:
                 self.send(s)
 
     def restart_counts(self) -> None:

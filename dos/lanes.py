@@ -117,9 +117,21 @@ class Lanes:
             free[k] = self.written[s] = written.event
 
     def _cpu(self, hyper, scale: float, done: frozenset = frozenset()) -> None:
-        for s in self.plan.cpu_order:
-            if s not in done:
-                self.cpu_update(s, hyper, scale=scale)
+        ring = self.grads.ring
+        if ring is None:
+            for s in self.plan.cpu_order:
+                if s not in done:
+                    self.cpu_update(s, hyper, scale=scale)
+        else:  # EngineConfig.grad_ring: this loop sends the gradients, K subgroups ahead
+            order = [s for s in self.plan.cpu_order if s not in done]
+            ring.assign(order)
+            k = ring.k
+            for j in range(min(k, len(order))):
+                self.grads.send(order[j], after_upload=ring.free[j])
+            for j, s in enumerate(order):
+                ring.free[j % k] = self.cpu_update(s, hyper, scale=scale)
+                if j + k < len(order):  # the slot's weights are queued up: its next gradient may come
+                    self.grads.send(order[j + k], after_upload=ring.free[j % k])
         self.grads.after_update()
 
     def cpu_update(self, s: int, hyper, spans: Optional[list] = None, scale: float = 1.0,
@@ -149,8 +161,9 @@ class Lanes:
         elif self.tl.enabled:
             spans.append(span)
         # The weights went over the gradient in the host block: upload them from there.
-        with self.tl.stage("upload", lane="upload", subgroup=s, numel=sg.numel, sink=spans):
+        with self.tl.stage("upload", lane="upload", subgroup=s, numel=sg.numel, sink=spans) as up:
             self.dev.param(self.layout, s).copy_(g, non_blocking=True)
+        return up.event  # the upload's (a gradient ring's next D2H into this slot waits for it)
 
     def keep_slots(self, n: int) -> None:
         """Keep the first n staging slots (the caller has synchronized: no copy uses the others)."""

@@ -37,6 +37,9 @@ CASES = {
                             delay_streams={"d2h"}),
     "gpu_update->forward": dict(placement="static", gpu_fraction=1.0),
     "d2h->host_read": dict(placement="interleaved", stride=1, staging_slots=8),
+    # grad_ring: a subgroup's gradient D2H into a shared host slot waits for the weight upload of
+    # the slot's last occupant (2 slots, ~12 CPU subgroups: every slot is reused within a step)
+    "upload->grad_d2h(ring)": dict(placement="cpu", grad_ring=2),
 }
 # Parameters: absolute error; moments: error relative to their largest value. GPU fused AdamW and
 # torch's default (foreach) AdamW differ by ~1.3e-5 relative in the moments (measured on the H200).
@@ -109,8 +112,8 @@ def run(settings, skip=(), delay=0, seed=0, steps=5):
     return err
 
 
-@pytest.mark.parametrize("settings", [ALL_LANES, dict(ALL_LANES, overlap_backward=True)] + list(CASES.values()),
-                         ids=["all-lanes", "all-lanes-overlap"] + list(CASES))
+@pytest.mark.parametrize("settings", [ALL_LANES, dict(ALL_LANES, overlap_backward=True), dict(ALL_LANES, grad_ring=2)]
+                         + list(CASES.values()), ids=["all-lanes", "all-lanes-overlap", "all-lanes-ring"] + list(CASES))
 def test_no_race_with_random_delays(settings):
     for seed in range(3):
         assert run(settings, delay=4_000_000, seed=seed) <= PASS

@@ -80,6 +80,9 @@ class RunSpec:
     """dos: GPU staging slots (None: the engine's default)."""
     overlap_backward: Optional[bool] = None
     """dos: start the CPU lane during backward (None: off; needs max_grad_norm None)."""
+    grad_ring: Optional[int] = None
+    """dos: host gradient slots shared by the CPU-lane subgroups, `DeepOptimizerStates(grad_ring=K)`
+    (K >= 2; None: one per subgroup): 2 B less host memory per parameter (issue 17, criterion 5)."""
     moments: Optional[str] = None
     """dos: how the AdamW moments are stored, `DeepOptimizerStates(state_dtype=...)` (issue 17):
     "fp32", "bf16" (round to nearest even) or "int8" (block-quantized, 2048-element blocks); the
@@ -169,6 +172,8 @@ class RunSpec:
             parts.append(f"moments={self.moments}")
         if self.overlap_backward:
             parts.append("overlap")
+        if self.grad_ring:
+            parts.append(f"ring={self.grad_ring}")
         if self.clip_by == "client":
             parts.append("client-clip")
         if self.cpu_schedule:
@@ -266,7 +271,7 @@ def _only(s: RunSpec, names, who: str):
 
 def _validate_system(s: RunSpec) -> None:
     dos_keys = ("placement", "stride", "gpu_fraction", "subgroup_numel", "cpu_threads", "staging_slots",
-                "overlap_backward", "clip_by", "moments", "cpu_schedule")
+                "overlap_backward", "grad_ring", "clip_by", "moments", "cpu_schedule")
     if s.system == "dos":
         _only(s, ("ratio", "sub_group_size", "ds_zero"), "dos")
         if s.placement not in PLACEMENTS:
@@ -287,6 +292,12 @@ def _validate_system(s: RunSpec) -> None:
             raise ConfigError(f"impossible configuration: placement {s.placement!r} takes no "
                               f"gpu_fraction (got {f}); use placement 'static' for a resident share")
         _check_type("overlap_backward", s.overlap_backward, (bool,), "true or false")
+        if s.grad_ring is not None and (not isinstance(s.grad_ring, int) or isinstance(s.grad_ring, bool)
+                                        or s.grad_ring < 2):
+            raise ConfigError(f"grad_ring must be an int >= 2, got {s.grad_ring!r}")
+        if s.grad_ring and s.overlap_backward:
+            raise ConfigError("impossible configuration: grad_ring needs overlap_backward unset "
+                              "(the ring's gradients go to the host in step())")
         if s.moments is not None and s.moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {MOMENTS}, got {s.moments!r}")
         if s.cpu_schedule not in (None, "dynamic", "static"):

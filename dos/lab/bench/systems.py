@@ -89,7 +89,8 @@ class DosSystem(_Base):
             raise RuntimeError(f"dos engine not available: {type(e).__name__}: {e}") from e
         self.sharded = shard_model(spec, model)
         kw = {k: getattr(spec, k) for k in ("stride", "gpu_fraction", "subgroup_numel", "cpu_threads",
-                                            "staging_slots", "max_grad_norm", "overlap_backward")
+                                            "staging_slots", "max_grad_norm", "overlap_backward",
+                                            "grad_ring")
               if getattr(spec, k) is not None}
         if spec.moments is not None:  # issue 17: fp32 | bf16 | int8 moments (None: the default)
             kw["state_dtype"] = spec.moments
