@@ -10,6 +10,10 @@ A copy may be overtaken: another micro-batch (or `zero_grad`) may change the gra
 D2H still reads it. That copy's result is never used: any change marks the subgroup unsent, so it
 is sent again (by the hook when complete, or by `flush` before the update), and the grad stream
 runs its copies in order, so the last one — issued after the last change — is what the CPU reads.
+
+With `grad_ring` (dos.buffers.GradRing) the CPU-lane gradients share K host slots: backward and
+`flush` send none, and the CPU lane's loop sends them in `step()` through `feed` (_RingFeed), each
+after the weight upload of its slot's last occupant.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ class GradRouter:
         # dos.buffers.GradRing (EngineConfig.grad_ring): the CPU lane sends each gradient itself,
         # in step(), into a shared slot (Lanes._cpu); backward and flush send none
         self.ring = host if isinstance(host, GradRing) else None
+        self.feed = self._ring_feed if self.ring is not None else _SlotFeed
         n = len(layout.subgroups)
         self.need = [0] * n  # parameters per subgroup
         self.count = [0] * n  # parameters whose gradient is final in the current backward
@@ -102,6 +107,9 @@ class GradRouter:
             if lane == CPU and not self.sent[s] and self.ring is None:
                 self.send(s)
 
+    def _ring_feed(self, order: Sequence[int]) -> "_RingFeed":
+        return _RingFeed(self, self.ring, order)
+
     def restart_counts(self) -> None:
         """The next backward counts its gradients afresh: a subgroup is complete only once every
         parameter in it has its gradient from that backward (after accumulated micro-batches)."""
@@ -119,3 +127,31 @@ class GradRouter:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class _SlotFeed:
+    """A slot per subgroup: every CPU-lane gradient was sent already (backward or `flush`)."""
+
+    def __init__(self, order: Sequence[int]):
+        pass
+
+    def uploaded(self, j: int, event) -> None:
+        pass
+
+
+class _RingFeed:
+    """grad_ring: the j-th CPU subgroup of the step takes slot j % K; the first K gradients go down
+    at once, and the (j+K)-th once the j-th's weights are queued up out of the same slot (its D2H
+    waits for that upload on the GPU)."""
+
+    def __init__(self, router: GradRouter, ring: GradRing, order: Sequence[int]):
+        self.router, self.ring, self.order = router, ring, list(order)
+        ring.assign(self.order)
+        for j in range(min(ring.k, len(self.order))):
+            router.send(self.order[j], after_upload=ring.free[j])
+
+    def uploaded(self, j: int, event) -> None:
+        k = self.ring.k
+        self.ring.free[j % k] = event
+        if j + k < len(self.order):
+            self.router.send(self.order[j + k], after_upload=event)

@@ -117,21 +117,10 @@ class Lanes:
             free[k] = self.written[s] = written.event
 
     def _cpu(self, hyper, scale: float, done: frozenset = frozenset()) -> None:
-        ring = self.grads.ring
-        if ring is None:
-            for s in self.plan.cpu_order:
-                if s not in done:
-                    self.cpu_update(s, hyper, scale=scale)
-        else:  # EngineConfig.grad_ring: this loop sends the gradients, K subgroups ahead
-            order = [s for s in self.plan.cpu_order if s not in done]
-            ring.assign(order)
-            k = ring.k
-            for j in range(min(k, len(order))):
-                self.grads.send(order[j], after_upload=ring.free[j])
-            for j, s in enumerate(order):
-                ring.free[j % k] = self.cpu_update(s, hyper, scale=scale)
-                if j + k < len(order):  # the slot's weights are queued up: its next gradient may come
-                    self.grads.send(order[j + k], after_upload=ring.free[j % k])
+        order = [s for s in self.plan.cpu_order if s not in done]
+        feed = self.grads.feed(order)  # what gradient goes down as each subgroup's weights go up
+        for j, s in enumerate(order):
+            feed.uploaded(j, self.cpu_update(s, hyper, scale=scale))
         self.grads.after_update()
 
     def cpu_update(self, s: int, hyper, spans: Optional[list] = None, scale: float = 1.0,
