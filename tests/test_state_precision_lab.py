@@ -192,6 +192,22 @@ def test_host_bytes_check_reports_int8_scales_honestly():
         checks.host_bytes_check(pd.DataFrame())
 
 
+def test_host_bytes_check_grades_the_best_configuration_gradient_ring_included():
+    """grad_ring rows are a configuration of their own: int8 with a ring (6.01 B) is graded and
+    passes, the per-subgroup-slot rows (8.0039) are reported beside it; a ring that misses is a MISS."""
+    ring = pd.DataFrame([dict(system="dos", model="3B", state_dtype="int8", host_bytes_per_param=6.01,
+                              resident_fraction=0.0, spec_grad_ring=4, status="ok", key="dos-cpu", run_id="e")])
+    chk = checks.host_bytes_check(pd.concat([_bytes(10.0, 8.0039), ring], ignore_index=True))
+    by = chk.set_index(["state_dtype", "grad_ring"])
+    assert by.loc[("int8", 4), "graded"] and by.loc[("int8", 4), "verdict"] == "PASS"
+    assert not by.loc[("int8", 0), "graded"] and by.loc[("int8", 0), "verdict"] == "MISS"
+    assert by.loc[("int8", 4), "nominal"] == pytest.approx(6.0 + 8 / 2048)
+    assert chk.verdict == "PASS"
+    bad = ring.assign(host_bytes_per_param=8.5)
+    chk = checks.host_bytes_check(pd.concat([_bytes(10.0, 8.0039), bad], ignore_index=True))
+    assert chk.verdict == "MISS"  # the best int8 configuration (8.0039, no ring) still misses
+
+
 # ---------------------------------------------------------------- figure 13
 
 def test_state_precision_figure_with_and_without_rows(tmp_path):

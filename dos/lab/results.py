@@ -91,7 +91,7 @@ def _plan_fields(text: str) -> dict:
             "plan_predicted_s": plan.get("predicted_step_s")}
 
 
-SPEC_KNOBS = ("subgroup_numel", "cpu_threads", "staging_slots", "max_grad_norm", "overlap_backward")
+SPEC_KNOBS = ("subgroup_numel", "cpu_threads", "staging_slots", "max_grad_norm", "overlap_backward", "grad_ring")
 """Run settings outside the defaults that `headline` leaves out (from the row's config.run)."""
 
 

@@ -257,7 +257,10 @@ def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str
     recorded (4 decimals), never rounded further: int8's two fp32 scales per 2048-element block
     (8/2048 = 0.0039 B per element) make it 8.004 > 8, a MISS whose `reason` says so; padding (each
     parameter 64-element aligned, a short last block) shows as the excess over the nominal bytes.
-    fp32 rows are reported (14 B), not graded. Raises on empty input."""
+    fp32 rows are reported (14 B), not graded. Rows with `grad_ring` (spec_grad_ring: K shared host
+    gradient slots, no 2 B slot per subgroup) form a configuration of their own; per model and
+    format the configuration with the fewest bytes is graded, the others are reported. Raises on
+    empty input."""
     require_rows(df, "host_bytes_check")
     targets = HOST_BYTES_TARGET if targets is None else targets
     d = df[df["status"].eq("ok")] if "status" in df else df
@@ -267,10 +270,16 @@ def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str
     d = d.assign(nonresident_share=share,
                  per_nonresident=d["host_bytes_per_param"].astype(float) / share.where(share > 0))
     d = d[d["per_nonresident"].notna()]
+    ring = d["spec_grad_ring"] if "spec_grad_ring" in d else pd.Series(math.nan, index=d.index)
+    d = d.assign(grad_ring=pd.to_numeric(ring, errors="coerce").fillna(0).astype(int))
+    # per configuration (grad_ring: K shared gradient slots, or 0: one per subgroup) the largest
+    # over its rows; per model and format the best configuration is graded, the others reported
+    worst = d.groupby(["model", "state_dtype", "grad_ring"])["per_nonresident"].max()
+    best = worst.groupby(level=[0, 1]).idxmin()
     out = []
-    for (model, dt), g in d.groupby(["model", "state_dtype"], sort=False):
+    for (model, dt, k), g in d.groupby(["model", "state_dtype", "grad_ring"], sort=False):
         r = g.loc[g["per_nonresident"].idxmax()]
-        v, nominal = float(r["per_nonresident"]), NOMINAL_HOST_BYTES.get(dt, math.nan)
+        v, nominal = float(r["per_nonresident"]), NOMINAL_HOST_BYTES.get(dt, math.nan) - (2.0 if k else 0.0)
         t = targets.get(dt, nominal)
         held = v <= t
         reason = ""
@@ -281,12 +290,14 @@ def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str
                        if dt == "int8" else "nominal")
                 parts.append(f"the format needs {nominal:.4f} B ({why})")
             if v > nominal:
-                parts.append(f"padding +{v - nominal:.4f} B (64-element alignment, short last block)")
+                parts.append(f"padding +{v - nominal:.4f} B (64-element alignment, short last block"
+                             + (f", {k} ring slots)" if k else ")"))
             reason = "; ".join(parts) or "above target"
-        out.append({"model": model, "state_dtype": dt, "runs": len(g), "key": r["key"], "run_id": r["run_id"],
-                    "host_bytes_per_param": float(r["host_bytes_per_param"]),
+        out.append({"model": model, "state_dtype": dt, "grad_ring": k, "runs": len(g), "key": r["key"],
+                    "run_id": r["run_id"], "host_bytes_per_param": float(r["host_bytes_per_param"]),
                     "nonresident_share": float(r["nonresident_share"]), "per_nonresident_param": v,
-                    "nominal": nominal, "excess": v - t, "reason": reason, "graded": dt in targets,
+                    "nominal": nominal, "excess": v - t, "reason": reason,
+                    "graded": dt in targets and best[(model, dt)] == (model, dt, k),
                     "target": f"<= {t:g} B per non-resident parameter ({dt})",
                     "verdict": PASS if held else MISS})
     return _check_table(out, ("model", "state_dtype", "per_nonresident_param"))
