@@ -97,7 +97,9 @@ if triton is not None:
         p = p + tl.div_rn(m * step_size, denom)
         return p, m, v
 
-    @triton.jit
+    # Sizes and ranges are not specialized on (Triton would compile a variant per value class, e.g.
+    # n % 16, in the middle of a step that the planner times); pointers' 16-byte alignment is.
+    @triton.jit(do_not_specialize=["n"])
     def _bf16_kernel(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, scale_ptr, n,
                      wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
                      HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr,
@@ -116,7 +118,7 @@ if triton is not None:
         if HAS_OUT:
             tl.store(out_ptr + offs, _to_out(p, out_ptr), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "nb", "lo", "hi"])
     def _int8_kernel(p_ptr, q_ptr, r_ptr, s_ptr, g_ptr, out_ptr, scale_ptr, n, nb, lo, hi,
                      wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
                      HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr,
