@@ -101,9 +101,6 @@ class GradRing:
         d = self.dtypes[s]
         return self.slots[self.slot_of[s]][: d.itemsize * self.numels[s]].view(d)
 
-    def __contains__(self, s) -> bool:
-        return s in self.numels
-
     def __delitem__(self, s: int) -> None:
         self.dtypes.pop(s, None)
         self.numels.pop(s, None)

@@ -48,12 +48,12 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (_interpreting() and t.device.type == "cpu")
 
 
-def impl_name(t: Optional[torch.Tensor] = None, fmt: str = "bf16") -> str:
-    """What the accelerator lane runs for `fmt` (recorded with runs): 'triton-fused' or 'torch-ops'."""
+def impl_name(t: torch.Tensor, fmt: str = "bf16") -> str:
+    """What the accelerator lane runs for `fmt` on `t`'s device (recorded with runs):
+    'torch-fused' (fp32), 'triton-fused' or 'torch-ops'."""
     if fmt == "fp32":
         return "torch-fused"
-    ok = triton is not None and (t is None or available(t))
-    return "triton-fused" if ok else "torch-ops"
+    return "triton-fused" if available(t) else "torch-ops"
 
 
 if triton is not None:
