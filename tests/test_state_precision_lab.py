@@ -50,6 +50,28 @@ def test_preflight_counts_the_moment_format():
     assert need["fp32"] > need["bf16"] > need["int8"]
 
 
+def test_preflight_counts_the_gradient_ring_and_the_resident_share(monkeypatch):
+    """grad_ring: 2 B per non-resident parameter fewer; gpu_fraction "auto" on an H200 (139.8 GiB):
+    20.3B bf16 moments with the ring fit a 124.8 GiB host (session 17's preflight skipped it at
+    150.9 GiB: 85% of the GPU, 10 GiB of activations, the ring not counted)."""
+    import types
+    from dos.lab import preflight as pf
+
+    def need(**kw):
+        return pf.host_bytes_estimate(RunSpec(system="dos", placement="interleaved", model="20B", **kw))[0] / 2**30
+
+    assert need(moments="bf16") - need(moments="bf16", grad_ring=4) == pytest.approx(2.0 * 20.33e9 / 2**30, rel=0.01)
+    monkeypatch.setattr(pf, "_cuda_available", lambda: True)
+    import torch
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(total_memory=int(139.8 * 2**30)))
+    auto = need(moments="bf16", grad_ring=4, gpu_fraction="auto", device="cuda")
+    assert auto < 124.8 < need(moments="bf16", grad_ring=4, device="cuda")
+    share = pf._auto_resident_share(RunSpec(system="dos", placement="interleaved", model="20B", moments="int8",
+                                            gpu_fraction="auto", device="cuda"), 20_330_000_000)
+    assert 0.40 < share < 0.52  # the engine made 48% resident (capacity/309fc558f5ee)
+
+
 # ---------------------------------------------------------------- criterion 2
 
 def _steps(bf16_shift: float, n: int = 120, band=(0.0, 0.002, -0.002)):
@@ -206,6 +228,25 @@ def test_host_bytes_check_grades_the_best_configuration_gradient_ring_included()
     bad = ring.assign(host_bytes_per_param=8.5)
     chk = checks.host_bytes_check(pd.concat([_bytes(10.0, 8.0039), bad], ignore_index=True))
     assert chk.verdict == "MISS"  # the best int8 configuration (8.0039, no ring) still misses
+
+
+def test_host_bytes_check_grades_a_configuration_over_every_model_it_ran():
+    """The H200 records: int8 without the ring at 1.3B and 3B (8.0039), with it at 20B only (6.04).
+    The ring configuration is graded (its bytes are the format's, not the model's) and passes; a
+    ring row that misses at any one model makes the configuration's worst row a miss, and the
+    no-ring rows (the next best) are then graded."""
+    def row(model, ring, b, rid):
+        return dict(system="dos", model=model, state_dtype="int8", host_bytes_per_param=b, resident_fraction=0.0,
+                    spec_grad_ring=ring, status="ok", key="dos", run_id=rid)
+    plain = [row("1.3B", None, 8.0040, "a"), row("3B", None, 8.0039, "b")]
+    chk = checks.host_bytes_check(pd.DataFrame(plain + [row("20B", 4, 6.04, "c")]))
+    by = chk.set_index(["model", "grad_ring"])
+    assert by.loc[("20B", 4), "graded"] and not by.loc[("3B", 0), "graded"] and not by.loc[("1.3B", 0), "graded"]
+    assert chk.verdict == "PASS"
+    chk = checks.host_bytes_check(pd.DataFrame(plain + [row("20B", 4, 6.04, "c"), row("3B", 4, 8.2, "d")]))
+    by = chk.set_index(["model", "grad_ring"])
+    assert by.loc[("3B", 0), "graded"] and by.loc[("1.3B", 0), "graded"] and not by.loc[("20B", 4), "graded"]
+    assert chk.verdict == "MISS"
 
 
 # ---------------------------------------------------------------- figure 13

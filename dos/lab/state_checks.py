@@ -258,9 +258,11 @@ def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str
     (8/2048 = 0.0039 B per element) make it 8.004 > 8, a MISS whose `reason` says so; padding (each
     parameter 64-element aligned, a short last block) shows as the excess over the nominal bytes.
     fp32 rows are reported (14 B), not graded. Rows with `grad_ring` (spec_grad_ring: K shared host
-    gradient slots, no 2 B slot per subgroup) form a configuration of their own; per model and
-    format the configuration with the fewest bytes is graded, the others are reported. Raises on
-    empty input."""
+    gradient slots, no 2 B slot per subgroup) form a configuration of their own. A configuration's
+    bytes are its worst row over every model it ran (the bytes per parameter are the format's and
+    the configuration's, not the model's: only padding differs); per format the configuration with
+    the fewest is graded, on each model it ran, and the others are reported. Raises on empty
+    input."""
     require_rows(df, "host_bytes_check")
     targets = HOST_BYTES_TARGET if targets is None else targets
     d = df[df["status"].eq("ok")] if "status" in df else df
@@ -273,9 +275,9 @@ def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str
     ring = d["spec_grad_ring"] if "spec_grad_ring" in d else pd.Series(math.nan, index=d.index)
     d = d.assign(grad_ring=pd.to_numeric(ring, errors="coerce").fillna(0).astype(int))
     # per configuration (grad_ring: K shared gradient slots, or 0: one per subgroup) the largest
-    # over its rows; per model and format the best configuration is graded, the others reported
-    worst = d.groupby(["model", "state_dtype", "grad_ring"])["per_nonresident"].max()
-    best = worst.groupby(level=[0, 1]).idxmin()
+    # over its rows of every model; per format the best configuration is graded, the others reported
+    worst = d.groupby(["state_dtype", "grad_ring"])["per_nonresident"].max()
+    best = worst.groupby(level=0).idxmin()
     out = []
     for (model, dt, k), g in d.groupby(["model", "state_dtype", "grad_ring"], sort=False):
         r = g.loc[g["per_nonresident"].idxmax()]
@@ -297,7 +299,7 @@ def host_bytes_check(df: pd.DataFrame, targets: Optional[dict] = None, ours: str
                     "run_id": r["run_id"], "host_bytes_per_param": float(r["host_bytes_per_param"]),
                     "nonresident_share": float(r["nonresident_share"]), "per_nonresident_param": v,
                     "nominal": nominal, "excess": v - t, "reason": reason,
-                    "graded": dt in targets and best[(model, dt)] == (model, dt, k),
+                    "graded": dt in targets and best[dt] == (dt, k),
                     "target": f"<= {t:g} B per non-resident parameter ({dt})",
                     "verdict": PASS if held else MISS})
     return _check_table(out, ("model", "state_dtype", "per_nonresident_param"))

@@ -84,6 +84,10 @@ if [ $# -gt 0 ]; then
 fi
 # leftovers of a notebook or run cut off by `timeout` (the device runs nothing else; a CPU test of
 # this script sets H200_CALL_KEEP_PROCS=1)
-[ "${H200_CALL_KEEP_PROCS:-0}" = 1 ] || { pkill -f ipykernel_launcher; pkill -f "dos.lab.bench"; pkill -f "dos.lab.zygote"; sleep 2; }
+# The patterns are anchored at the interpreter (a process's command line starting with python):
+# session 17's command that ran `python3 -m dos.lab.bench.kernel` after this script matched an
+# unanchored "dos.lab.bench" in its own `bash -c` line and was killed with it.
+[ "${H200_CALL_KEEP_PROCS:-0}" = 1 ] || { for p in ipykernel_launcher "dos\.lab\.bench" "dos\.lab\.zygote"; do
+  pkill -f "^[^ ]*python[0-9.]* (-[^ ]+ )*-m $p"; done; sleep 2; }
 find experiments/results figures -newer /tmp/stamp -type f > /tmp/changed
 tar -czf $OUT/results.tar.gz -T /tmp/changed; echo "packed $(wc -l < /tmp/changed) files"; du -sh $OUT/results.tar.gz
