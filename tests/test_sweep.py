@@ -544,3 +544,29 @@ def test_device_call_script_continues_a_batch_across_calls_and_refuses_one_it_lo
     shutil.rmtree(repo / "experiments" / "results" / "devcall")
     log = call()
     assert "holds no row of that batch" in log and not (res / "devcall" / "runs.csv").exists()
+
+
+def test_zygote_caches_cpuinfo(monkeypatch):
+    """The sweep server asks py-cpuinfo once; every later call (DeepSpeed's op builders, in each
+    forked run) gets a copy of that answer without a subprocess."""
+    import types
+
+    from dos.lab import zygote
+
+    calls = []
+    fake = types.ModuleType("cpuinfo")
+    fake.get_cpu_info = lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx512f"]}
+    monkeypatch.setitem(sys.modules, "cpuinfo", fake)
+    zygote._cache_cpuinfo()
+    assert len(calls) == 1
+    a = fake.get_cpu_info()
+    a["arch"] = "changed"  # a caller's edit does not reach the next caller
+    assert fake.get_cpu_info() == {"arch": "X86_64", "flags": ["avx512f"]} and len(calls) == 1
+
+    broken = types.ModuleType("cpuinfo")  # an answer that fails stays uncached (DeepSpeed's own fallback)
+    def fails():
+        raise RuntimeError("no cpuid")
+    broken.get_cpu_info = fails
+    monkeypatch.setitem(sys.modules, "cpuinfo", broken)
+    zygote._cache_cpuinfo()
+    assert broken.get_cpu_info is fails
