@@ -99,13 +99,21 @@ if triton is not None:
 
     # Sizes and ranges are not specialized on (Triton would compile a variant per value class, e.g.
     # n % 16, in the middle of a step that the planner times); pointers' 16-byte alignment is.
+    # Masks are therefore constexpr-chosen: with a mask over an unspecialized n Triton cannot
+    # prove a vector's lanes share it and issues scalar loads and stores (session 18: the bf16 lane
+    # at 3B took 48 ms instead of 19, slower than fp32's torch kernel). EVEN launches cover whole
+    # blocks unmasked; only a range's last partial block runs masked (two variants, both compiled
+    # in the first step, where a subgroup size is not a multiple of BLOCK).
     @triton.jit(do_not_specialize=["n"])
     def _bf16_kernel(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, scale_ptr, n,
                      wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
                      HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr,
-                     HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_OUT: tl.constexpr, EVEN: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        if EVEN:
+            mask = None
+        else:
+            mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask)
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -118,36 +126,51 @@ if triton is not None:
         if HAS_OUT:
             tl.store(out_ptr + offs, _to_out(p, out_ptr), mask=mask)
 
-    @triton.jit(do_not_specialize=["n", "nb", "lo", "hi"])
-    def _int8_kernel(p_ptr, q_ptr, r_ptr, s_ptr, g_ptr, out_ptr, scale_ptr, n, nb, lo, hi,
+    @triton.jit(do_not_specialize=["n", "nb", "lo", "hi", "b_first"])
+    def _int8_kernel(p_ptr, q_ptr, r_ptr, s_ptr, g_ptr, out_ptr, scale_ptr, n, nb, lo, hi, b_first,
                      wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
                      HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr,
-                     HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per scale block b touched by [lo, hi): decode the whole block, update the
-        # elements in [lo, hi), re-encode the whole block with its new scales (state_format's
-        # int8 section). Pointers are the whole subgroup's.
-        b = lo // BLOCK + tl.program_id(0)
+                     HAS_OUT: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per scale block b = b_first + program id, of the blocks touched by [lo, hi):
+        # decode the whole block, update the elements in [lo, hi), re-encode the whole block with
+        # its new scales (state_format's int8 section). Pointers are the whole subgroup's. FULL:
+        # every block of the launch lies inside [lo, hi) (and so inside n): no masks, vector
+        # loads and stores (see _bf16_kernel's EVEN).
+        b = b_first + tl.program_id(0)
         offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < n
-        upd = (offs >= lo) & (offs < hi)
         s_m0 = tl.load(s_ptr + b)
         s_v0 = tl.load(s_ptr + nb + b)
-        q = tl.load(q_ptr + offs, mask=inside, other=0).to(tl.float32)
-        a = tl.load(r_ptr + offs, mask=inside, other=0).to(tl.float32) + 1.0
+        if FULL:
+            q = tl.load(q_ptr + offs).to(tl.float32)
+            a = tl.load(r_ptr + offs).to(tl.float32) + 1.0
+        else:
+            inside = offs < n
+            upd = (offs >= lo) & (offs < hi)
+            q = tl.load(q_ptr + offs, mask=inside, other=0).to(tl.float32)
+            a = tl.load(r_ptr + offs, mask=inside, other=0).to(tl.float32) + 1.0
         m = (q * tl.abs(q)) * tl.div_rn(s_m0, 16129.0)
         a = a * a
         v = (a * a) * (s_v0 * 2.3283064365386963e-10)  # 2^-32, exact
-        m = tl.where(inside, m, 0.0)
-        v = tl.where(inside, v, 0.0)
-        p = tl.load(p_ptr + offs, mask=upd, other=0.0)
-        g = tl.load(g_ptr + offs, mask=upd, other=0.0).to(tl.float32)
-        p2, m2, v2 = _adam_math(p, g, m, v, scale_ptr, wdf, w, wm1, beta2, omb2, step_size,
-                                bc2s, eps, HAS_SCALE, HAS_WD, SMALL_W)
-        m = tl.where(upd, m2, m)
-        v = tl.where(upd, v2, v)
-        tl.store(p_ptr + offs, p2, mask=upd)
-        if HAS_OUT:
-            tl.store(out_ptr + offs, _to_out(p2, out_ptr), mask=upd)
+        if FULL:
+            p = tl.load(p_ptr + offs)
+            g = tl.load(g_ptr + offs).to(tl.float32)
+            p2, m, v = _adam_math(p, g, m, v, scale_ptr, wdf, w, wm1, beta2, omb2, step_size,
+                                  bc2s, eps, HAS_SCALE, HAS_WD, SMALL_W)
+            tl.store(p_ptr + offs, p2)
+            if HAS_OUT:
+                tl.store(out_ptr + offs, _to_out(p2, out_ptr))
+        else:
+            m = tl.where(inside, m, 0.0)
+            v = tl.where(inside, v, 0.0)
+            p = tl.load(p_ptr + offs, mask=upd, other=0.0)
+            g = tl.load(g_ptr + offs, mask=upd, other=0.0).to(tl.float32)
+            p2, m2, v2 = _adam_math(p, g, m, v, scale_ptr, wdf, w, wm1, beta2, omb2, step_size,
+                                    bc2s, eps, HAS_SCALE, HAS_WD, SMALL_W)
+            m = tl.where(upd, m2, m)
+            v = tl.where(upd, v2, v)
+            tl.store(p_ptr + offs, p2, mask=upd)
+            if HAS_OUT:
+                tl.store(out_ptr + offs, _to_out(p2, out_ptr), mask=upd)
         # scales: max |.| of the block; NaN if any moment is NaN or inf (the block is poisoned)
         am, av = tl.abs(m), tl.abs(v)
         bad_m = tl.max(((am != am) | (am > _FLT_MAX)).to(tl.int32), axis=0) > 0
@@ -160,10 +183,16 @@ if triton is not None:
         u = (tl.sqrt_rn(am * km) + _RNE) - _RNE
         u = tl.minimum(tl.where(u != u, 0.0, u), 127.0)
         u = tl.where(m < 0, -u, u)  # copysign; -0 stores as 0
-        tl.store(q_ptr + offs, u.to(tl.int8), mask=inside)
+        if FULL:
+            tl.store(q_ptr + offs, u.to(tl.int8))
+        else:
+            tl.store(q_ptr + offs, u.to(tl.int8), mask=inside)
         u = ((tl.sqrt_rn(tl.sqrt_rn(v * kv)) * 256.0 + _RNE) - _RNE) - 1.0
         u = tl.minimum(tl.maximum(tl.where(u != u, 0.0, u), 0.0), 255.0)
-        tl.store(r_ptr + offs, u.to(tl.uint8), mask=inside)
+        if FULL:
+            tl.store(r_ptr + offs, u.to(tl.uint8))
+        else:
+            tl.store(r_ptr + offs, u.to(tl.uint8), mask=inside)
         tl.store(s_ptr + b, s_m)
         tl.store(s_ptr + nb + b, s_v)
 
@@ -183,6 +212,28 @@ def _constants(step: int, lr, beta1, beta2, eps, weight_decay):
                 eps=_f32(eps)), dict(HAS_WD=weight_decay != 0.0, SMALL_W=abs(w) < 0.5)
 
 
+def launches_bf16(lo: int, hi: int, block: int) -> list:
+    """[(start, end, even)] covering [lo, hi): the whole blocks from lo unmasked (even), then the
+    remainder (< block elements) masked."""
+    mid = lo + (hi - lo) // block * block
+    return [(a, b, even) for a, b, even in ((lo, mid, True), (mid, hi, False)) if b > a]
+
+
+def launches_int8(lo: int, hi: int, block: int) -> list:
+    """[(first block, blocks, full)] covering the scale blocks [lo, hi) touches: the blocks lying
+    wholly inside [lo, hi) in one unmasked launch (full), each partly covered one (at most two: the
+    first and the last) in a masked launch of its own."""
+    b0, b1 = lo // block, -(-hi // block)
+    f0, f1 = -(-lo // block), hi // block  # the whole blocks [f0, f1)
+    if f1 <= f0:
+        return [(b, 1, False) for b in range(b0, b1)]
+    out = [(b0, 1, False)] if b0 < f0 else []
+    out.append((f0, f1 - f0, True))
+    if f1 < b1:
+        out.append((f1, 1, False))
+    return out
+
+
 def fused_step_(fmt: str, views, grad: torch.Tensor, out: Optional[torch.Tensor], *, lo: int,
                 hi: int, step: int, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, scale_t: Optional[torch.Tensor]) -> None:
@@ -200,17 +251,18 @@ def fused_step_(fmt: str, views, grad: torch.Tensor, out: Optional[torch.Tensor]
         opts["enable_fp_fusion"] = False  # a * b + c stays two roundings (the documented order)
     if fmt == "bf16":
         B = 2048
-        o = out[lo:hi] if has_out else views.master[lo:hi]
-        _bf16_kernel[(triton.cdiv(hi - lo, B),)](
-            views.master[lo:hi], views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi], grad[lo:hi], o,
-            scale, hi - lo, **consts, BLOCK=B, num_warps=8, **opts)
+        for a, b, even in launches_bf16(lo, hi, B):  # whole blocks unmasked, then the rest
+            o = out[a:b] if has_out else views.master[a:b]
+            _bf16_kernel[(triton.cdiv(b - a, B),)](
+                views.master[a:b], views.exp_avg[a:b], views.exp_avg_sq[a:b], grad[a:b], o,
+                scale, b - a, **consts, EVEN=even, BLOCK=B, num_warps=8, **opts)
     elif fmt == "int8":
         from .state_format import BLOCK, nblocks
         nb = nblocks(n)
-        b0, b1 = lo // BLOCK, -(-hi // BLOCK)
         o = out if has_out else views.master
-        _int8_kernel[(b1 - b0,)](
-            views.master, views.exp_avg, views.exp_avg_sq, views.scales, grad, o, scale, n, nb,
-            lo, hi, **consts, BLOCK=BLOCK, num_warps=8, **opts)
+        for b_first, count, full in launches_int8(lo, hi, BLOCK):
+            _int8_kernel[(count,)](
+                views.master, views.exp_avg, views.exp_avg_sq, views.scales, grad, o, scale, n, nb,
+                lo, hi, b_first, **consts, FULL=full, BLOCK=BLOCK, num_warps=8, **opts)
     else:
         raise ValueError(f"no fused kernel for state dtype {fmt!r} (fp32 runs torch's fused AdamW)")

@@ -23,7 +23,7 @@ from dos import state_format as sf
 triton = pytest.importorskip("triton")
 
 FMTS = ["bf16", "int8"]
-SIZES = (1, 7, 2047, 2048, 2049, 5003)
+SIZES = (1, 7, 2047, 2048, 2049, 5003, 9001)  # 9001: a range with a partial, a whole and a partial block
 STEPS = [(1, 1e-2, 0.0, 1.0), (2, 3e-2, 0.1, 1.0), (3, 1e-3, 0.0, 4.0), (4, 2e-2, 0.01, 0.5)]
 
 
@@ -225,3 +225,39 @@ def test_no_scratch_with_the_fused_kernels_and_the_fallback_brings_its_own(devic
     ref = Reference(ref_m.parameters(), opt, fmt)
     train(ref_m, ref, data)
     assert max_diff(a, ref_m) <= 2e-4
+
+
+@pytest.mark.parametrize("block", [4, 2048])
+def test_launches_cover_the_range_once_and_mask_only_partial_blocks(block):
+    """The launch plans of fused_step_: every element of [lo, hi) (bf16) / every scale block [lo,
+    hi) touches (int8) in exactly one launch; the unmasked (even / full) launches hold whole blocks
+    only, inside [lo, hi); at most one masked bf16 launch and two masked int8 blocks. (Session 18:
+    a mask over the unspecialized size made Triton issue scalar accesses: the bulk must be
+    unmasked.)"""
+    from dos.state_kernels import launches_bf16, launches_int8
+
+    n = 7 * block + 3
+    cuts = sorted({0, 1, block - 1, block, block + 1, 3 * block, 5 * block - 2, n - 1, n})
+    for lo in cuts:
+        for hi in cuts:
+            if hi <= lo:
+                continue
+            seen = []
+            plan = launches_bf16(lo, hi, block)
+            for a, b, even in plan:
+                seen += range(a, b)
+                assert not even or (b - a) % block == 0
+            assert seen == list(range(lo, hi))
+            assert sum(not e for *_, e in plan) <= 1
+            assert any(e for *_, e in plan) == (hi - lo >= block)
+
+            blocks = []
+            plan = launches_int8(lo, hi, block)
+            for b, count, full in plan:
+                blocks += range(b, b + count)
+                if full:
+                    assert b * block >= lo and (b + count) * block <= hi
+                else:
+                    assert count == 1
+            assert blocks == list(range(lo // block, -(-hi // block)))
+            assert sum(not f for *_, f in plan) <= 2
