@@ -201,8 +201,9 @@ def test_capped_check_compares_dos_with_the_fastest_twinflow_ratio_in_the_cap():
 
 def test_reference_check_sets_deepspeed_rows_beside_design_section_8():
     """Issue 5, from the records: ZeRO-Offload 1.3B +8% and TwinFlow 0.5 1.3B (repeat) +5% of §8;
-    SuperOffload is 28-44% faster than §8 without gradient clipping and matches §8's ratio to
-    ZeRO-Offload with clipping 1.0 (1.669 side by side against 1.681; 3B +9%)."""
+    SuperOffload is 25-44% faster than §8 without gradient clipping (every unclipped row, of any
+    sweep, is beyond the 15% band: appended runs may move the range, not the verdict) and matches
+    §8's ratio to ZeRO-Offload with clipping 1.0 (1.669 side by side against 1.681; 3B +9%)."""
     rows = results.rows(sorted(p for p in (ROOT / "experiments/results").iterdir() if p.is_dir()))
     chk = checks.reference_check(rows).set_index(["sweep", "system", "model"]).sort_index()
     assert chk.loc[("h200-1.3b", "deepspeed-zero-offload", "1.3B"), "vs_reference"] == pytest.approx(0.084, abs=1e-3)
@@ -212,7 +213,7 @@ def test_reference_check_sets_deepspeed_rows_beside_design_section_8():
     assert so.loc["1.3B", "over_zero_offload"] == pytest.approx(1.669, abs=1e-3)
     assert so.loc["1.3B", "reference_over_zero_offload"] == pytest.approx(1.681, abs=1e-3)
     unclipped = chk.xs("deepspeed-superoffload", level="system")
-    assert (unclipped[~unclipped["clip"]]["vs_reference"] < -0.25).all()
+    assert (unclipped[~unclipped["clip"]]["vs_reference"] < -0.15).all()
     assert not chk.reset_index()["model"].eq("7B").any()  # §8 has no 7B DeepSpeed row here
     assert chk.loc[("h200-1.3b", "deepspeed-zero-offload", "1.3B"), "verdict"] == "PASS"  # within 15%
     assert (unclipped[~unclipped["clip"]]["verdict"] == "MISS").all() and chk.verdict == "MISS"
