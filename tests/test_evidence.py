@@ -229,6 +229,11 @@ def test_results_table_shows_headline_batches_or_names_the_sweeps_to_run(tmp_pat
     assert "none recorded yet" not in table
     assert "| B-old | 3B | dos interleaved | fp32 | 3 | 0.900 | 0.810-0.990 | 0.38x DeepSpeed ZeRO-2 + CPU optimizer offload |" in table
     assert "| B-new | 3B | dos all-CPU | fp32 | 3 | 1.200 |" in table  # no baseline in its batch: no ratio
+    assert "fewer than" not in table  # 3 runs on each side: a headline ratio
+    _batch(tmp_path / "headline-3b", {k: MEDIANS[k] for k in ("dos-cpu", "deepspeed-zero2-offload")}, "B-two", runs=2)
+    table = figures.results_table(tmp_path)
+    assert "| B-two | 3B | dos all-CPU | fp32 | 2 | 1.140 | 1.080-1.200 | 0.50x DeepSpeed ZeRO-2 + CPU optimizer " \
+        "offload (fewer than 3 runs) |" in table
     from dos.lab import plots_headline
     df = results.rows([tmp_path / "headline-3b"])
     assert set(plots_headline.latest_batch(df)["batch_id"]) == {"B-new"}

@@ -319,6 +319,10 @@ def test_gpu_scaling_check_and_figure_on_synthetic_records(speedup, verdict, tmp
 def test_results_table_lists_the_gpu_records():
     table = figures.results_table()
     assert "| dos interleaved" in table and "DeepSpeed ZeRO-3 + CPU optimizer offload" in table
+    single = table.split("Headline batches")[0]
+    assert "vs " not in single.splitlines()[2] and "| state |" in single  # no ratio between single runs
+    assert "| fp32 |" in single and "| bf16 |" in single
+    assert "(fewer than 3 runs)" in table  # an incomplete batch's ratios are shown, flagged
     assert "| 7B | 40 GiB | 1 | dos auto" in table  # the capped rows: the paper's regime
     assert "smoke" not in table and "tiny" not in table
 

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from dos.lab.results import (INTERLEAVED, NO_OFFLOAD, _run_field, baseline_key, headline_ratios, require_rows,
+from dos.lab.results import (HEADLINE_RUNS, INTERLEAVED, NO_OFFLOAD, _run_field, baseline_key, headline_ratios, require_rows,
                              stride_panels)
 from dos.lab.verdicts import MISS, PASS, CheckTable, _check_table  # noqa: F401  (checks.CheckTable: API)
 
@@ -219,8 +219,8 @@ def headline_check(df: pd.DataFrame, keys: Sequence[str] = INTERLEAVED,
         h = h[h["model"].isin(list(models))]
     out = []
     for r in h.to_dict("records"):
-        enough = r["runs"] >= 3 and r["baseline_runs"] >= 3
-        r.update(target=f"vs fastest {r['state_dtype']} offload baseline <= {target} (median, >= 3 runs, one batch)",
+        enough = r["runs"] >= HEADLINE_RUNS and r["baseline_runs"] >= HEADLINE_RUNS
+        r.update(target=f"vs fastest {r['state_dtype']} offload baseline <= {target} (median, >= {HEADLINE_RUNS} runs, one batch)",
                  verdict=PASS if r["vs_baseline"] <= target and enough else MISS)
         out.append(r)
     seen = set(h["model"]) if len(h) else set()

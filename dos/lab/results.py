@@ -362,6 +362,7 @@ def baseline_key(keys, baselines: Sequence[str] = NO_OFFLOAD) -> Optional[str]:
     return next((k for k in baselines if k in present), None)
 
 
+HEADLINE_RUNS = 3  # issue 16: a headline number is a median over at least this many runs per system
 OFFLOAD_BASELINES = ("deepspeed-zero2-offload", "deepspeed-zero2-offload-bf16", "deepspeed-zero3-offload",
                      "deepspeed-zero-offload", "deepspeed-twinflow", "deepspeed-superoffload",
                      "torchao-cpu-offload")
@@ -448,7 +449,8 @@ def _label(key: str) -> str:
 def batch_table(df: pd.DataFrame) -> str:
     """Markdown: per batch and model, every system's median s/iter with its min-max and runs, and
     each row's ratio to the fastest offload baseline of its state precision (named) within the
-    batch; rows without a batch_id are left out."""
+    batch, flagged where either side has fewer than `HEADLINE_RUNS` runs; rows without a batch_id
+    are left out."""
     summ = summary(df)
     summ = summ[summ["batch_id"].ne("")]
     lines = ["| batch | model | system | state | runs | median s/iter | min-max | vs fastest offload baseline (same state precision) |",
@@ -461,6 +463,8 @@ def batch_table(df: pd.DataFrame) -> str:
                 b = base.loc[base["median"].idxmin()]
                 vs = (f"(the fastest {r['state_dtype']} offload baseline)" if b["key"] == r["key"] else
                       f"{r['median'] / b['median']:.2f}x {_label(b['key'])}")
+                if min(r["runs"], b["runs"]) < HEADLINE_RUNS:  # shown, never a headline number
+                    vs += f" (fewer than {HEADLINE_RUNS} runs)"
             name = _label(r["key"]) + (f", ratio {r['ratio']:g}" if r["key"] == "deepspeed-twinflow" else "")
             lines.append(f"| {batch} | {model} | {name} | {r['state_dtype']} | {r['runs']} | {r['median']:.3f} | "
                          f"{r['min']:.3f}-{r['max']:.3f} | {vs} |")
