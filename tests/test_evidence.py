@@ -69,6 +69,15 @@ def test_repeat_is_round_robin_with_distinct_run_ids():
     assert [(s.system, s.repeat) for s in sweep.runs] == [
         ("torch-cpu", 1), ("dos", 1), ("torch-cpu", 2), ("dos", 2), ("torch-cpu", 3), ("dos", 3)]
     assert len({s.run_id() for s in sweep.runs}) == 6
+    three = [{"system": "torch-cpu"}, {"system": "dos", "placement": "cpu"}, {"system": "dos", "placement": "gpu"}]
+    rot = sw.parse({"defaults": {"model": "tiny", "device": "cpu"}, "repeat": 3, "order": "rotate", "runs": three}, "o")
+    assert [(s.placement or s.system, s.repeat) for s in rot.runs] == [
+        ("torch-cpu", 1), ("cpu", 1), ("gpu", 1), ("cpu", 2), ("gpu", 2), ("torch-cpu", 2),
+        ("gpu", 3), ("torch-cpu", 3), ("cpu", 3)]  # each run once at every position
+    assert {s.run_id() for s in rot.runs} == {s.run_id() for s in sw.parse(
+        {"defaults": {"model": "tiny", "device": "cpu"}, "repeat": 3, "runs": three}, "o").runs}  # same runs
+    with pytest.raises(ConfigError, match="order must be one of"):
+        sw.parse({"order": "random", "runs": [{"system": "torch-cpu"}]})
     single = sw.parse({"defaults": {"model": "tiny", "device": "cpu"}, "runs": [{"system": "torch-cpu"}]}, "s")
     assert single.runs[0].repeat is None and single.runs[0].run_id() == RunSpec(
         system="torch-cpu", model="tiny", device="cpu").run_id()  # old ids unchanged
