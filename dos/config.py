@@ -45,7 +45,8 @@ class EngineConfig:
     """Share of the optimizer state kept resident on the GPU ("static" and "interleaved"), in [0, 1];
     or "auto": at the first step the performance model sizes the resident share (and the staging
     slots) from the GPU memory left free at the iteration's peak (CUDA with a calibration of this
-    machine; otherwise nothing is resident)."""
+    machine; on CUDA without one, as many resident subgroups as fit, the rest by the stride rule;
+    on the CPU nothing is resident)."""
     subgroup_numel: Optional[int] = None
     """Elements per subgroup (None: chosen from the model size)."""
     max_grad_norm: Optional[float] = None

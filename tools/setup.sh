@@ -4,7 +4,7 @@
 #   sees it (--system-site-packages, and a .pth when $PY is itself a venv's python) and every install
 #   is constrained to exactly that version; without one, constraints.txt pins the CPU build (2.13.0).
 # - a wheelhouse (tools/wheelhouse.py, `make wheelhouse`) makes the install offline: --no-index
-#   --find-links $WHEELHOUSE, and only what the environment lacks comes from it.
+#   --no-deps $WHEELHOUSE/*.whl (no resolver run), and only what the environment lacks comes from it.
 set -eu
 PY=${PY:-python3}
 VENV=${VENV:-.venv}
