@@ -204,12 +204,15 @@ class Explorer:
         s, _, p = min(timed)
         return p, s
 
-    def cost_s(self) -> float:
-        """Seconds the measured exploration steps took beyond the kept plan's step time."""
+    def cost_s(self, kept_s: Optional[float] = None) -> float:
+        """Seconds the measured exploration steps took beyond the kept plan's step time: `kept_s`
+        (the Planner passes the kept plan's median step once it ran `SETTLE` steps), else the
+        least of the kept plan's exploration steps (an upper bound of the cost: every step's noise
+        above that minimum counts as cost)."""
         if not self.spent or not self.times:
             return 0.0
-        _, best = self.best()
-        return max(0.0, sum(self.spent) - best * len(self.spent))
+        ref = self.best()[1] if kept_s is None else kept_s
+        return max(0.0, sum(self.spent) - ref * len(self.spent))
 
     def to_record(self) -> dict:
         kept = self.best()[0] if self.times else None

@@ -9,6 +9,7 @@ refinement), the Planner only holds state and applies their answers.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 import warnings
 from fractions import Fraction
@@ -84,6 +85,9 @@ class Planner:
         self._explored_calib = None  # the rates once the kept plan settled after an exploration
         self._explored_step = 0  # the step the last exploration ended
         self._explored = False  # an exploration ended (or there was nothing to explore)
+        # The last exploration until its kept plan ran SETTLE steps: (its Explorer, the kept plan's
+        # key, that plan's measured step times since), for the cost against its median step.
+        self._settling = None
         self._marks: List[tuple] = []  # (step, plan, mark): each step's start, not yet timed
         self._step_plan = self._prev_step_plan = None  # the plans of the step under way / before
         self.step_times: List[tuple] = []  # (step, seconds) measured, the last few
@@ -191,6 +195,8 @@ class Planner:
         del self.step_times[:-64]
         if self.explorer is not None and step >= self.explorer.start_step:
             self.explorer.observe(plan, seconds)
+        elif self._settling is not None and step > self._explored_step and explore.key(plan) == self._settling[1]:
+            self._settling[2].append(seconds)
 
     def _explore(self, step: int) -> None:
         """Start, advance or end an exploration; the plan for the next update is set here."""
@@ -206,6 +212,7 @@ class Planner:
                             self.explorations[-1]["refined_predicted_s"] = round(perfmodel.predict(
                                 self.plan, self.calibration, head_start_s=self.head_start_s,
                                 **self._bytes).total_s, 6)
+                        self._settle_cost()
                     return
                 if (step - self._explored_step < explore.COOLDOWN
                         or refine.drift(self._explored_calib, self.calibration) <= explore.EXPLORE_DRIFT):
@@ -241,8 +248,28 @@ class Planner:
         self.explore_steps += ex.steps
         self.explore_s += ex.cost_s()
         self.explorations.append(dict(ex.to_record(), end_step=step))
+        self._settling = (ex, explore.key(self.plan), []) if ex.times else None
         self.explorer = None
         self._explored, self._explored_calib, self._explored_step = True, None, step
+
+    def _settle_cost(self) -> None:
+        """The last exploration's cost against the kept plan's median step since it ended (`kept_s`
+        in its record), once that plan ran SETTLE steps: until then `explore_s` counts against the
+        least of its exploration steps, which charges every step's noise above that minimum (the
+        kept plan's steps in planner-3b ran a median 0.92 s after its exploration, 0.84 s at the
+        least of two before; docs/DESIGN.md §10). Only steps after the one that switched to it, and
+        only under it, count (a re-plan meanwhile: its steps do not); none of them: the upper bound
+        stays."""
+        settling, self._settling = self._settling, None
+        if settling is None or not settling[2] or not self.explorations:
+            return
+        ex, _, times = settling
+        kept_s = statistics.median(times)
+        rec = self.explorations[-1]
+        cost = ex.cost_s(kept_s)
+        self.explore_s += cost - ex.cost_s()
+        rec.update(explore_s=round(cost, 6), kept_s=round(kept_s, 6), kept_steps=len(times),
+                   explore_s_least=rec["explore_s"])
 
     def _explore_kw(self) -> dict:
         """What ranks an exploration's candidates besides the plan and rates: the slots allocated,

@@ -218,6 +218,47 @@ def test_exploration_keeps_the_fastest_plan_bounded_and_exact(exploring, target)
     assert opt.replans[-1]["plan"]["source"] in ("explored", "explore")
 
 
+def test_exploration_cost_is_counted_against_the_kept_plans_median_once_it_settled(exploring):
+    """A lucky exploration step of the plan kept (0.8 s once, then its usual ~1.0 s) must not make
+    every other exploration step look 0.2 s dearer: once the kept plan ran SETTLE steps, the
+    cost is counted against its median step since (`kept_s`), and the least-step count stays in
+    the record (`explore_s_least`, an upper bound)."""
+    lucky = []
+
+    def cost(plan):
+        if plan.stride == 2 and opt.planner.explorer is not None and not lucky:
+            lucky.append(1)
+            return 0.8
+        return near(0.5)(plan)
+
+    a, opt, b, ref = explored_pair(cost)
+    train("transformer", a, opt, 30)
+    train("transformer", b, ref, 30)
+    assert max_diff(a, b) <= 1e-5
+    rec = opt.online_record()
+    ex = rec["explorations"][0]
+    assert lucky and ex["kept"]["stride"] == 2
+    usual = 1.0 + abs(ex["kept"]["staged_share"] - 0.5)  # the kept plan's step after the lucky one
+    assert ex["kept_s"] == pytest.approx(usual, abs=1e-5) and ex["kept_steps"] >= 3
+    kept = next(c for c in ex["candidates"] if c["stride"] == 2)
+    assert kept["measured_s"] == pytest.approx(0.8)
+    assert ex["explore_s_least"] - ex["explore_s"] == pytest.approx((usual - 0.8) * ex["steps"], abs=1e-5)
+    spent = sum((c["measured_s"] - usual) * c["steps"] for c in ex["candidates"]) + (usual - 0.8)
+    assert ex["explore_s"] == pytest.approx(spent, abs=1e-5)  # the lucky step: 0.8 + usual in all
+    assert rec["explore_s"] == pytest.approx(ex["explore_s"], abs=1e-5)
+
+
+def test_explorer_cost_against_a_given_kept_step():
+    cands = [(_plan(Fraction(1, 2)), 1.0), (_plan(Fraction(0)), 1.1)]
+    ex = explore.Explorer(cands, steps_per=2, max_steps=4, drop_above=None)
+    for t in (0.9, 1.1, 1.4, 1.5):
+        ex.observe(ex.next_plan(), t)
+    assert ex.best()[1] == 0.9
+    assert ex.cost_s() == pytest.approx(4.9 - 4 * 0.9)
+    assert ex.cost_s(1.0) == pytest.approx(4.9 - 4 * 1.0)
+    assert ex.cost_s(2.0) == 0.0  # never negative
+
+
 def test_the_second_stage_is_ranked_by_the_rates_fitted_on_the_anchors(exploring, monkeypatch):
     """In the engine: stride 2 and all-CPU run first; the second stage's candidates are ranked by
     the rates as refined on their steps (not the offline profile), are all measured, and the
