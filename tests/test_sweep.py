@@ -540,6 +540,21 @@ def test_device_call_script_continues_a_batch_across_calls_and_refuses_one_it_lo
     rows = records.read_rows(res / "devcall" / "runs.csv")
     assert [r["batch_id"] for r in rows] == ["B-call"] * 2 + ["B-next"] * 2
     assert len({r["log_file"] for r in rows}) == 4  # the new batch's files beside the old ones
+    # one call finishing one batch (#B-next: continued, nothing left) and starting another (#+B-two)
+    (repo / "experiments" / "sweeps" / "devcall2.yaml").write_text(
+        (repo / "experiments" / "sweeps" / "devcall.yaml").read_text().replace("devcall", "devcall2"))
+    shutil.rmtree(out)
+    out.mkdir()
+    r = subprocess.run(["bash", "experiments/scripts/h200_call.sh", "300", "", "",
+                        "experiments/sweeps/devcall.yaml#B-next", "experiments/sweeps/devcall2.yaml:seed=1#+B-two"],
+                       cwd=repo, env={k: v for k, v in env.items() if k != "BATCH_ID"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (out / "sweeps.log").read_text()
+    assert "already 2" in log and "batch B-next" in log and "ok 1" in log and "batch B-two" in log, log
+    assert [x["batch_id"] for x in records.read_rows(res / "devcall2" / "runs.csv")] == ["B-two"]
+    assert len(records.read_rows(res / "devcall" / "runs.csv")) == 4
+    assert {p.name for p in out.iterdir()} >= {"devcall.tar.gz", "devcall2.tar.gz", "results.tar.gz"}
     shutil.rmtree(res)  # a fresh machine (and no results put back into the checkout)
     shutil.rmtree(repo / "experiments" / "results" / "devcall")
     log = call()

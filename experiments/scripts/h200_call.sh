@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call, in three parts, each optional (empty string skips):
-#   bash experiments/scripts/h200_call.sh SECONDS "PYTEST_ARGS" "NOTEBOOKS" [SWEEP.yaml[:WHERE[&WHERE]][@OUTDIR] ...]
+#   bash experiments/scripts/h200_call.sh SECONDS "PYTEST_ARGS" "NOTEBOOKS" [SWEEP.yaml[:WHERE[&WHERE]][@OUTDIR][#[+]BATCH_ID] ...]
 #   (WHERE: KEY=VALUE without spaces, e.g. model=3B&system=[dos,torch-gpu]; OUTDIR: results
-#   directory instead of experiments/results/<name>, e.g. a same-call recheck of recorded runs)
+#   directory instead of experiments/results/<name>, e.g. a same-call recheck of recorded runs;
+#   #BATCH_ID: this sweep continues that batch, #+BATCH_ID starts it — instead of the environment's
+#   BATCH_ID / BATCH_NEW, so that one call can finish one batch and start another: one $OUT, a
+#   handful of files, where two invocations of this script in one call returned too many and lost two)
 # - PYTEST_ARGS: `pytest -m gpu` on these test files (log in $OUT/pytest-gpu.log)
 # - NOTEBOOKS: `python -m dos run --rerun --only NOTEBOOKS` (papermill; each notebook runs its
 #   sweeps, resumably, into experiments/results/, then plots)
@@ -61,6 +64,7 @@ if [ $# -gt 0 ]; then
   timeout 60 python3 -m dos calibrate --cached --out experiments/results/calibration/NVIDIA-H200-$(date -u +%Y%m%d-%H%M%S).json \
     > $OUT/calibration.txt 2>&1; echo "calibrate rc=$?"  # the profile the runs plan with, recorded
   for arg in "$@"; do
+    bspec=""; case $arg in *'#'*) bspec=${arg##*#}; arg=${arg%#*};; esac
     out=""; case $arg in *@*) out="--out ${arg##*@}"; arg=${arg%@*};; esac
     file=${arg%%:*}; where=""
     [ "$arg" != "$file" ] && for w in $(echo "${arg#*:}" | tr '&' ' '); do where="$where --where $w"; done
@@ -70,6 +74,7 @@ if [ $# -gt 0 ]; then
       [ -d $res ] || { mkdir -p $(dirname $res); if [ -d experiments/results/$name ]; then cp -a experiments/results/$name $res; else mkdir $res; fi; }
     else res=""; fi
     batch=""; [ -n "${BATCH_ID:-}" ] && batch="--continue-batch $BATCH_ID" && [ "${BATCH_NEW:-0}" = 1 ] && batch="--batch-id $BATCH_ID"
+    case $bspec in "") ;; +*) batch="--batch-id ${bspec#+}";; *) batch="--continue-batch $bspec";; esac
     # --stop-by-s: no run is started that the recorded rows say would not end in time (it would be
     # killed in flight, its minute lost); `timeout` stays the backstop. H200_NO_STOP_BY=1 starts
     # the runs regardless, for a system whose expectation is only a fallback (a system never run
