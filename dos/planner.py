@@ -88,7 +88,7 @@ class Planner:
         # The last exploration until its kept plan ran SETTLE steps: (its Explorer, the kept plan's
         # key, that plan's measured step times since), for the cost against its median step.
         self._settling = None
-        self._marks: List[tuple] = []  # (step, plan, mark): each step's start, not yet timed
+        self._marks: List[tuple] = []  # [step, plan, mark]: each step's start (_time_steps), not yet timed
         self._step_plan = self._prev_step_plan = None  # the plans of the step under way / before
         self.step_times: List[tuple] = []  # (step, seconds) measured, the last few
 
@@ -131,8 +131,8 @@ class Planner:
                                   self.plan.cpu_threads)
             self.head_start_s = h if not self.head_start_s else 0.5 * (self.head_start_s + h)
         ran = self._step_plan  # the plan the previous step ran
-        if self.exploring:
-            self._time_steps(step)
+        if self.exploring and not starts_in_backward:
+            self._time_steps(step)  # a lane started in backward: marked at after_step instead
         if self.sizing:
             self.sizing = False
             self._size_resident(step)
@@ -153,6 +153,13 @@ class Planner:
             self._refine(step, self._previous_plan)
             if self.exploring:
                 self._explore(step)
+                # The next step runs from here by the plan just set: its backward starts the CPU
+                # lane by it (its head start), its update follows. Marked at step() start instead,
+                # a step's time would hold its update and the next plan's backward: after a switch,
+                # one candidate charged with another's head start (headline-3b, 2026-12-04:
+                # all-CPU measured 0.516 s, kept at 0.717; docs/DESIGN.md decision log).
+                self._time_steps(step + 1)
+                self._marks[-1][1] = self.plan
 
     # -- measuring and exploring ---------------------------------------------------------------
     def _mark(self):
@@ -173,9 +180,12 @@ class Planner:
         return a.elapsed_time(b) / 1e3 if b.query() else None  # never blocks
 
     def _time_steps(self, step: int) -> None:
-        """At a step's start: mark it, and time every earlier step whose end (the next one's
-        start) has happened — a step's time is the iteration's period, from one `step()` to the
-        next, so all of it counts: the update phase and what it costs the forward and backward."""
+        """Where `step` starts: mark it, and time every earlier step whose end (the next one's
+        start) has happened — a step's time is the iteration's period, so all of it counts: the
+        update phase and what it costs the forward and backward. A step starts where its plan
+        takes over: at its `step()` (the update follows at once; the next forward and backward
+        wait on its weights), or, with the CPU lane started in backward, at the previous step's
+        end (the plan for its backward and update is set there)."""
         self._marks.append([step, None, self._mark()])  # its plan: set once before_step decided
         while len(self._marks) >= 2:
             (s0, plan, a), (_, _, b) = self._marks[0], self._marks[1]
