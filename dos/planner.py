@@ -152,7 +152,7 @@ class Planner:
         if self.refining and starts_in_backward:
             self._refine(step, self._previous_plan)
             if self.exploring:
-                self._explore(step)
+                self._explore(step, first=step + 1)
                 # The next step runs from here by the plan just set: its backward starts the CPU
                 # lane by it (its head start), its update follows. Marked at step() start instead,
                 # a step's time would hold its update and the next plan's backward: after a switch,
@@ -208,8 +208,12 @@ class Planner:
         elif self._settling is not None and step > self._explored_step and explore.key(plan) == self._settling[1]:
             self._settling[2].append(seconds)
 
-    def _explore(self, step: int) -> None:
-        """Start, advance or end an exploration; the plan for the next update is set here."""
+    def _explore(self, step: int, first: Optional[int] = None) -> None:
+        """Start, advance or end an exploration; the plan for the next update is set here.
+        `first`: the first step a plan set now runs (default `step`: at before_step it runs this
+        step's update; at after_step the next step): a new exploration measures from there, so
+        that the step before it (the plan in force) is not counted to a candidate — a third
+        sample whose least beat the two of the others (explore-overlap-3b, 2026-12-04)."""
         ex = self.explorer
         if ex is None:
             if self._explored:
@@ -230,8 +234,9 @@ class Planner:
             elif step < 2:
                 return  # the first step runs the model's choice and warms up
             ex = self.explorer = explore.Explorer(
-                explore.anchors(self.plan, self.calibration, **self._explore_kw()), start_step=step,
-                steps_per=explore.STEPS_PER, max_steps=explore.MAX_STEPS)
+                explore.anchors(self.plan, self.calibration, **self._explore_kw()),
+                start_step=step if first is None else first, steps_per=explore.STEPS_PER,
+                max_steps=explore.MAX_STEPS)
             if len(ex.candidates) < 2:
                 self.explorer = None
                 self._explored, self._explored_calib, self._explored_step = True, None, step

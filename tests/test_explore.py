@@ -354,6 +354,10 @@ def test_exploration_with_the_cpu_lane_in_backward_charges_each_plan_its_own_hea
     assert len(ex["candidates"]) >= 3
     for c in ex["candidates"]:
         assert c["measured_s"] == pytest.approx(1.0 + abs(c["staged_share"] - 0.5), abs=1e-6), c
+        # only steps the exploration ran: the step before it (the plan in force, maybe a
+        # candidate) is no third sample
+        assert c["steps"] <= explore.STEPS_PER, c
+    assert ex["start_step"] == 3  # set up at step 2's end: its first plan runs step 3
     assert opt.plan.share("staged") == pytest.approx(0.5, abs=0.01)
 
 
