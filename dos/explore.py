@@ -126,6 +126,11 @@ class Explorer:
     spent: List[float] = field(default_factory=list)  # every measured step, in order
     _issued: int = 0  # schedule positions handed out
     stage: int = 1  # 1 + the number of `extend` calls
+    # step -> the key of the candidate scheduled to run it (`next_plan(step=)`); once any is, a
+    # sample counts only for the step it was scheduled for (`observe(step=)`): not the step before
+    # the exploration, nor a step that waited for late measurements under the last candidate
+    _runs: Dict[int, Tuple] = field(default_factory=dict)
+    _seen: set = field(default_factory=set)  # steps of `_runs` measured
 
     def __post_init__(self):
         keep = max(1, self.max_steps // max(1, self.steps_per))
@@ -147,13 +152,16 @@ class Explorer:
             self._order += [p] * self.steps_per
         return len(new)
 
-    def next_plan(self) -> Optional[Plan]:
+    def next_plan(self, step: Optional[int] = None) -> Optional[Plan]:
         """The plan for the next step of the schedule (skipping the further steps of a candidate
-        already ruled out, `drop_above`); None once it is exhausted."""
+        already ruled out, `drop_above`); None once it is exhausted. `step`: the step it will run
+        (its sample is then awaited for `finished` and accepted only for that step)."""
         while self._issued < len(self._order):
             self._issued += 1
             p = self._order[self._issued - 1]
             if not self._ruled_out(p):
+                if step is not None:
+                    self._runs[step] = key(p)
                 return p
         return None
 
@@ -165,11 +173,16 @@ class Explorer:
         others = [min(ts) for kk, ts in self.times.items() if kk != k]
         return bool(others) and min(self.times[k]) > (1 + limit) * min(others)
 
-    def observe(self, plan: Plan, seconds: float) -> None:
-        """A measured step (seconds) run under `plan`; steps under other plans are ignored."""
+    def observe(self, plan: Plan, seconds: float, step: Optional[int] = None) -> None:
+        """A measured step (seconds) run under `plan`; steps under other plans are ignored, and,
+        once steps were scheduled by number (`next_plan(step=)`), steps not scheduled so."""
         k = key(plan)
         if k not in self._by_key or seconds is None or seconds <= 0:
             return
+        if self._runs and step is not None:
+            if self._runs.get(step) != k or step in self._seen:
+                return
+            self._seen.add(step)
         self.times.setdefault(k, []).append(seconds)
         self.steps += 1
         self.spent.append(seconds)
@@ -186,8 +199,10 @@ class Explorer:
 
     @property
     def finished(self) -> bool:
-        """The schedule ran and every candidate has a measurement."""
-        return self.scheduled and all(key(p) in self.times for p, _ in self.candidates)
+        """The schedule ran, every candidate has a measurement and every step scheduled by number
+        its sample (the last candidate's second step included)."""
+        return (self.scheduled and all(key(p) in self.times for p, _ in self.candidates)
+                and len(self._seen) >= len(self._runs))
 
     def measured(self, plan: Plan) -> Optional[float]:
         """A candidate's step time: the least of its measured steps (the first one after a switch

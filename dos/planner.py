@@ -152,7 +152,7 @@ class Planner:
         if self.refining and starts_in_backward:
             self._refine(step, self._previous_plan)
             if self.exploring:
-                self._explore(step, first=step + 1)
+                self._explore(step, at=step + 1)
                 # The next step runs from here by the plan just set: its backward starts the CPU
                 # lane by it (its head start), its update follows. Marked at step() start instead,
                 # a step's time would hold its update and the next plan's backward: after a switch,
@@ -204,16 +204,19 @@ class Planner:
         self.step_times.append((step, seconds))
         del self.step_times[:-64]
         if self.explorer is not None and step >= self.explorer.start_step:
-            self.explorer.observe(plan, seconds)
+            self.explorer.observe(plan, seconds, step)
         elif self._settling is not None and step > self._explored_step and explore.key(plan) == self._settling[1]:
             self._settling[2].append(seconds)
 
-    def _explore(self, step: int, first: Optional[int] = None) -> None:
+    def _explore(self, step: int, at: Optional[int] = None) -> None:
         """Start, advance or end an exploration; the plan for the next update is set here.
-        `first`: the first step a plan set now runs (default `step`: at before_step it runs this
-        step's update; at after_step the next step): a new exploration measures from there, so
-        that the step before it (the plan in force) is not counted to a candidate — a third
-        sample whose least beat the two of the others (explore-overlap-3b, 2026-12-04)."""
+        `at`: the step a plan set now runs (default `step`: at before_step it runs this step's
+        update; at after_step, the next step). Each candidate's samples are the steps scheduled
+        for it (Explorer.next_plan(step=)): not the step before the exploration (the plan in
+        force: a third sample whose least beat the others' two, explore-overlap-3b 2026-12-04),
+        nor steps that wait for late measurements under the last candidate, whose own second
+        step the exploration waits for."""
+        at = step if at is None else at
         ex = self.explorer
         if ex is None:
             if self._explored:
@@ -235,16 +238,16 @@ class Planner:
                 return  # the first step runs the model's choice and warms up
             ex = self.explorer = explore.Explorer(
                 explore.anchors(self.plan, self.calibration, **self._explore_kw()),
-                start_step=step if first is None else first, steps_per=explore.STEPS_PER,
+                start_step=at, steps_per=explore.STEPS_PER,
                 max_steps=explore.MAX_STEPS)
             if len(ex.candidates) < 2:
                 self.explorer = None
                 self._explored, self._explored_calib, self._explored_step = True, None, step
                 return
-        nxt = ex.next_plan()
+        nxt = ex.next_plan(at)
         if nxt is None and ex.stage == 1:  # the anchors ran: rank the rest by the rates fitted on them
             ex.extend(explore.refined(ex, self.plan, self.calibration, **self._explore_kw()))
-            nxt = ex.next_plan()
+            nxt = ex.next_plan(at)
         if nxt is not None:
             if explore.key(nxt) != explore.key(self.plan):
                 self.set_plan(nxt.replace(source="explore"), step)

@@ -177,6 +177,30 @@ def test_a_candidate_ruled_out_by_its_first_step_runs_no_second():
     assert [late.next_plan().share("staged") for _ in range(4)] == [0.5, 0.5, 0.0, 0.0]  # unmeasured
 
 
+def test_samples_count_only_for_the_steps_scheduled_for_them():
+    """Steps scheduled by number (the Planner's): a step run under a candidate but not scheduled
+    for it (the step before the exploration, a step waiting under the last candidate) is no
+    sample, a step is counted once, and the exploration waits for every scheduled step's sample
+    — the last candidate's second one too."""
+    a, b = _plan(Fraction(1, 2)), _plan(Fraction(0))
+    ex = explore.Explorer([(a, 1.0), (b, 1.0)], start_step=3, steps_per=2, drop_above=None)
+    plans = {step: ex.next_plan(step) for step in range(3, 7)}
+    assert [explore.key(p) for p in plans.values()] == [explore.key(x) for x in (a, a, b, b)]
+    ex.observe(a, 0.1, step=2)   # before the exploration
+    ex.observe(b, 0.1, step=3)   # step 3 ran a
+    ex.observe(a, 1.0, step=3)
+    ex.observe(a, 0.2, step=3)   # counted once
+    ex.observe(a, 1.2, step=4)
+    ex.observe(b, 1.5, step=5)
+    assert ex.next_plan(7) is None and ex.scheduled
+    assert not ex.finished  # every candidate measured, but step 6 (b's second) is still due
+    ex.observe(b, 0.3, step=7)   # a step waiting under b: not scheduled
+    assert not ex.finished and ex.times[explore.key(b)] == [1.5]
+    ex.observe(b, 1.4, step=6)
+    assert ex.finished and ex.steps == 4
+    assert ex.times[explore.key(a)] == [1.0, 1.2] and ex.best()[0] is a
+
+
 def test_explorer_waits_for_late_measurements():
     cands = [(_plan(Fraction(0)), 1.0), (_plan(Fraction(1, 2)), 1.1)]
     ex = explore.Explorer(cands, steps_per=1, max_steps=4)
@@ -357,6 +381,9 @@ def test_exploration_with_the_cpu_lane_in_backward_charges_each_plan_its_own_hea
         # only steps the exploration ran: the step before it (the plan in force, maybe a
         # candidate) is no third sample
         assert c["steps"] <= explore.STEPS_PER, c
+        # ... and a candidate that was not ruled out has all of them (the last one too)
+        if c["measured_s"] <= (1 + explore.DROP_ABOVE) * 1.0:
+            assert c["steps"] == explore.STEPS_PER, c
     assert ex["start_step"] == 3  # set up at step 2's end: its first plan runs step 3
     assert opt.plan.share("staged") == pytest.approx(0.5, abs=0.01)
 
@@ -480,6 +507,40 @@ def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
         pl._marks[-1][1] = pl.plan
     assert [s for s, _, _ in got] == [2, 3, 4, 5]  # steps whose end the GPU has passed
     assert all(s == pytest.approx(1.0 + abs(p.share("staged") - 0.5)) for _, p, s in got)
+
+
+def test_late_device_times_give_each_candidate_its_own_steps_and_no_waiting_ones(exploring):
+    """Events read a step late (the GPU a step behind the host): the exploration waits for the
+    last candidate's second step, and the steps it waits under that candidate are no samples.
+    Before, it ended once every candidate had one sample: the last one was judged on the step
+    that carried its switch alone."""
+    # every candidate within 10% of the best: none is ruled out, each runs STEPS_PER steps
+    a, opt, b, ref = explored_pair(lambda plan: 1.0 + 0.1 * abs(plan.share("staged") - 0.95))
+    pl = opt.planner
+
+    class Gpu:
+        now, t = 0.0, 0.0
+
+    class Sync:
+        is_async, timing = True, True
+
+        def record(self, name="main"):
+            Gpu.now = Gpu.t  # the GPU reached the previous mark only now
+            Gpu.t += pl.clock.cost(pl._step_plan or pl.plan)
+            return FakeEvent(Gpu, Gpu.t)
+
+    pl._sync = Sync()  # only the Planner's marks use it
+    train("transformer", a, opt, 24)
+    train("transformer", b, ref, 24)
+    assert max_diff(a, b) <= 1e-5
+    ex = pl.explorations[0]
+    best = min(c["measured_s"] for c in ex["candidates"])
+    for c in ex["candidates"]:
+        if c["measured_s"] <= (1 + explore.DROP_ABOVE) * best:
+            assert c["steps"] == explore.STEPS_PER, ex["candidates"]
+        else:
+            assert 1 <= c["steps"] <= explore.STEPS_PER, ex["candidates"]
+    assert ex["steps"] == sum(c["steps"] for c in ex["candidates"])
 
 
 @pytest.mark.gpu
