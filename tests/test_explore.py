@@ -481,11 +481,10 @@ class FakeEvent:
         return 1e3 * (other.t - self.t)
 
 
-def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
-    """On CUDA a step is timed by events on the main stream, read with query() at later steps: a
-    step whose end event the GPU has not reached yet is timed later, to the plan it ran."""
-    a, opt, b, ref = explored_pair(near(0.5))
-    pl = opt.planner
+def fake_gpu(pl, behind: bool = False):
+    """Main-stream events on a fake GPU clock for the Planner's marks (only they use `pl._sync`):
+    each mark advances the GPU's time by the cost of the plan the step ran. `behind`: the GPU
+    reaches a mark only once the next one is recorded (else the test moves `now`)."""
 
     class Gpu:
         now, t = 0.0, 0.0
@@ -494,15 +493,26 @@ def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
         is_async, timing = True, True
 
         def record(self, name="main"):
+            if behind:
+                Gpu.now = Gpu.t  # the GPU reached the previous mark only now
             Gpu.t += pl.clock.cost(pl._step_plan or pl.plan)
             return FakeEvent(Gpu, Gpu.t)
 
-    pl._sync = Sync()  # only the Planner's marks use it
+    pl._sync = Sync()
+    return Gpu
+
+
+def test_step_times_from_device_events_arrive_late_and_never_block(exploring):
+    """On CUDA a step is timed by events on the main stream, read with query() at later steps: a
+    step whose end event the GPU has not reached yet is timed later, to the plan it ran."""
+    a, opt, b, ref = explored_pair(near(0.5))
+    pl = opt.planner
+    gpu = fake_gpu(pl)
     got = []
     seen = pl.observe
     pl.observe = lambda step, plan, s: (got.append((step, plan, s)), seen(step, plan, s))
     for step in range(2, 8):
-        Gpu.now = Gpu.t  # the GPU is a step behind: at the last mark, not at the one recorded now
+        gpu.now = gpu.t  # the GPU is a step behind: at the last mark, not at the one recorded now
         pl._time_steps(step)
         pl._marks[-1][1] = pl.plan
     assert [s for s, _, _ in got] == [2, 3, 4, 5]  # steps whose end the GPU has passed
@@ -517,19 +527,7 @@ def test_late_device_times_give_each_candidate_its_own_steps_and_no_waiting_ones
     # every candidate within 10% of the best: none is ruled out, each runs STEPS_PER steps
     a, opt, b, ref = explored_pair(lambda plan: 1.0 + 0.1 * abs(plan.share("staged") - 0.95))
     pl = opt.planner
-
-    class Gpu:
-        now, t = 0.0, 0.0
-
-    class Sync:
-        is_async, timing = True, True
-
-        def record(self, name="main"):
-            Gpu.now = Gpu.t  # the GPU reached the previous mark only now
-            Gpu.t += pl.clock.cost(pl._step_plan or pl.plan)
-            return FakeEvent(Gpu, Gpu.t)
-
-    pl._sync = Sync()  # only the Planner's marks use it
+    fake_gpu(pl, behind=True)
     train("transformer", a, opt, 24)
     train("transformer", b, ref, 24)
     assert max_diff(a, b) <= 1e-5
