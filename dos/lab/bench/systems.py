@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from dos.lab.bench import cpuinfo_cache
 from dos.lab.bench.spec import RunSpec
 
 BETAS, EPS = (0.9, 0.999), 1e-8
@@ -244,6 +245,7 @@ class DeepSpeedSystem(_Base):
         except ImportError as e:
             raise SkipRun(f"deepspeed is not installed: {e}") from e
         clear_stale_extension_locks()
+        cpuinfo_cache.install()  # py-cpuinfo's ~1.2 s probe, thrice a run: once per boot instead
         import logging
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
