@@ -88,7 +88,8 @@ class Planner:
         # The last exploration until its kept plan ran SETTLE steps: (its Explorer, the kept plan's
         # key, that plan's measured step times since), for the cost against its median step.
         self._settling = None
-        self._marks: List[tuple] = []  # [step, plan, mark]: each step's start (_time_steps), not yet timed
+        # [step, plan, mark]: each step's start (_time_steps), not yet timed
+        self._marks: List[tuple] = []
         self._step_plan = self._prev_step_plan = None  # the plans of the step under way / before
         self.step_times: List[tuple] = []  # (step, seconds) measured, the last few
 

@@ -1,12 +1,12 @@
 """py-cpuinfo's answer, asked once per machine boot for all of a sweep's DeepSpeed runs.
 
-Why: DeepSpeed 0.19.8 calls `cpuinfo.get_cpu_info()` three times in each run's init (DeepSpeedCPUAdam,
-and its op builder's `cpu_arch` and `simd_width` when it loads cpu_adam); each call probes the CPU
-in a subprocess: 1.2 s here, ~4.5 s of a DeepSpeed run's ~20 s init on the H200 host (session 17,
-`init_profile`), 18 DeepSpeed runs in a headline batch. The CPU does not change while the host
-runs: the first answer is kept in memory and in a file named by the boot id, so that later runs of
-the sweep (separate processes) read it. Only init time changes (not recorded as iteration time);
-what DeepSpeed is told about the CPU is the same.
+Why: DeepSpeed 0.19.8 calls `cpuinfo.get_cpu_info()` three times in each run's init
+(DeepSpeedCPUAdam, and its op builder's `cpu_arch` and `simd_width` when it loads cpu_adam); each
+call probes the CPU in a subprocess: 1.2 s here, ~4.5 s of a DeepSpeed run's ~20 s init on the
+H200 host (session 17, `init_profile`), 18 DeepSpeed runs in a headline batch. The CPU does not
+change while the host runs: the first answer is kept in memory and in a file named by the boot id,
+so that later runs of the sweep (separate processes) read it. Only init time changes (not recorded
+as iteration time); what DeepSpeed is told about the CPU is the same.
 """
 from __future__ import annotations
 
