@@ -56,6 +56,11 @@ def test_smoke_sweep_yields_valid_rows(tmp_path):
     by = {(row["system"], row["placement"]): row for row in rows}
     ds = by[("deepspeed-zero-offload", "")]
     assert ds["cpu_impl"] == "DeepSpeedCPUAdam" and ds["ratio"] == "1.0"
+    # DeepSpeed's runs fork from the server that imported DeepSpeed too (dos.lab.zygote.FLAVOURS)
+    started = {k: json.loads((out / r["log_file"]).with_name("result.json").read_text())["started_by"]
+               for k, r in by.items()}
+    assert started[("deepspeed-zero-offload", "")] == "fork:deepspeed", started
+    assert started[("dos", "cpu")] == "fork", started
     assert '"offload_optimizer"' in ds["config"]
     for placement in ("cpu", "static", "interleaved", "gpu"):
         assert f'"placement":"{placement}"' in by[("dos", placement)]["plan"]
@@ -440,7 +445,7 @@ def test_runs_are_forks_of_an_importing_server_and_fall_back_to_exec(tmp_path, m
         def wait(self, timeout=None):
             return zygote.BAD_FORK
 
-    def fake_start(argv, log_path, env):
+    def fake_start(argv, log_path, env, flavour=None):
         started.append(argv)
         return BadFork()
 
@@ -499,6 +504,92 @@ def test_fork_server_hides_imports_that_initialise_cuda(tmp_path):
     r = serve(["torch", "initcuda", "probe"])
     assert r.stdout.strip() == "" and "importing initcuda initialised CUDA" in r.stderr, r.stderr[-2000:]
     assert "RESULT 1" in r.stderr
+
+
+def test_flavour_servers_preload_their_modules_and_fall_back_to_the_plain_server(tmp_path):
+    """dos.lab.zygote.FLAVOURS: a request with a flavour forks from a server (a fork of the plain
+    one, started at its first request) that imported the flavour's modules with its environment;
+    the run's environment gets that environment too and says how it started. A flavour whose
+    imports initialise CUDA or start a thread does not start, nor does one that dies: its runs
+    fork from the plain server, the server and the other flavours carry on."""
+    (tmp_path / "probe.py").write_text("import os\nACC = os.environ.get('PROBE_ACC')\n")
+    (tmp_path / "initcuda.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    (tmp_path / "spawns.py").write_text("import threading, time\n"
+                                        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    (tmp_path / "dies.py").write_text("import os\nos._exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(sw.__file__).parents[2])])}
+    code = ("import json, os, sys\nfrom dos.lab import zygote\nfrom dos.lab.bench import run\n"
+            "zygote.PRELOAD = ['torch']\n"
+            "zygote.FLAVOURS = {'probe': ('probe',), 'cuda': ('initcuda',), 'thread': ('spawns',),"
+            " 'dies': ('dies',)}\n"
+            "def main(argv):\n"
+            "    m = sys.modules.get('probe')\n"
+            "    open(argv[0], 'w').write(json.dumps({'preloaded': m is not None, 'acc': m and m.ACC,"
+            " 'env_acc': os.environ.get('PROBE_ACC'), 'by': os.environ['DOS_STARTED_BY'],"
+            " 'ppid': os.getppid()}))\n"
+            "    return 0\n"
+            "run.main = main\nsys.exit(zygote.serve())\n")
+    reqs = []
+    for i, fl in enumerate([["probe", {"PROBE_ACC": "cpu"}], None, ["cuda", {}], ["thread", {}],
+                            ["probe", {"PROBE_ACC": "cpu"}], ["dies", {}], ["nosuch", {}]]):
+        req = {"argv": [str(tmp_path / f"r{i}.json")], "log": str(tmp_path / f"log{i}.txt"),
+               "env": {"PATH": os.environ["PATH"]}}
+        if fl:
+            req["flavour"] = fl
+        reqs.append(json.dumps(req))
+    r = subprocess.run([sys.executable, "-c", code], env=env, input="\n".join(reqs) + "\n",
+                       capture_output=True, text=True, timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[0] == "ready", r.stderr[-3000:]
+    replies = [json.loads(x) for x in lines[1:]]
+    assert [list(x) for x in replies] == [["pid"], ["rc"]] * len(reqs), r.stdout
+    assert all(x["rc"] == 0 for x in replies[1::2]), (r.stdout, r.stderr[-3000:])
+    got = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(len(reqs))]
+    assert got[0] == {**got[0], "preloaded": True, "acc": "cpu", "env_acc": "cpu", "by": "fork:probe"}
+    assert got[4]["by"] == "fork:probe" and got[4]["ppid"] == got[0]["ppid"]  # the same flavour server
+    assert got[1] == {**got[1], "preloaded": False, "env_acc": None, "by": "fork"}
+    server = got[1]["ppid"]
+    assert got[0]["ppid"] != server
+    for i in (2, 3, 5, 6):  # no flavour server: forks of the plain server, without the flavour's env
+        assert got[i]["by"] == "fork" and got[i]["ppid"] == server and not got[i]["preloaded"], (i, got[i])
+    assert "the probe server is ready" in r.stderr
+    assert "the cuda server did not start (importing initcuda initialised CUDA)" in r.stderr
+    assert "the thread server did not start (importing spawns started a thread)" in r.stderr
+    assert "the dies server did not start (exited)" in r.stderr
+
+
+def test_sweep_side_of_a_broken_flavour(monkeypatch):
+    """A run forked from a flavour server that could not use CUDA disables that flavour only: its
+    later runs ask the plain server, other runs are unaffected; DeepSpeed's one-process runs are the
+    "deepspeed" flavour, with DS_ACCELERATOR=cpu on the CPU (what systems.prepare_env sets)."""
+    from dos.lab import zygote
+    from dos.lab.bench.spec import RunSpec
+
+    monkeypatch.setattr(zygote, "_broken", False)
+    monkeypatch.setattr(zygote, "_broken_flavours", set())
+    assert zygote.flavour_of(RunSpec(system="deepspeed-zero2-offload", device="cpu")) == (
+        "deepspeed", {"DS_ACCELERATOR": "cpu"})
+    assert zygote.flavour_of(RunSpec(system="deepspeed-zero2-offload", device="cuda")) == ("deepspeed", {})
+    assert zygote.flavour_of(RunSpec(system="dos", placement="cpu", device="cuda")) is None
+    asked = []
+
+    class FakeServer:
+        def request(self, argv, log, env, flavour=None):
+            asked.append(flavour)
+            return 4242
+
+        def close(self):
+            asked.append("closed")
+
+    monkeypatch.setattr(zygote, "_server", FakeServer())
+    fl = ("deepspeed", {})
+    run = zygote.start(["a"], "log", {}, fl)
+    assert run.flavour == "deepspeed" and asked == [fl]
+    zygote.disable("a forked run could not use CUDA", run)
+    assert zygote.enabled() and zygote._broken_flavours == {"deepspeed"}
+    assert zygote.start(["b"], "log", {}, fl).flavour is None and asked[-1] is None
+    zygote.disable("the plain server broke", zygote.start(["c"], "log", {}))
+    assert not zygote.enabled() and asked[-1] == "closed" and zygote._server is None
 
 
 @pytest.mark.slow

@@ -66,7 +66,8 @@ def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
     argv = [str(run_dir / "spec.json"), str(run_dir)]
     with open(run_dir / "log.txt", "wb") as log:
         # a fork of a server that imported torch and transformers already (None: it cannot)
-        proc = zygote.start(argv, run_dir / "log.txt", env) if zygote.enabled() else None
+        proc = (zygote.start(argv, run_dir / "log.txt", env, zygote.flavour_of(spec))
+                if zygote.enabled() else None)
         if proc is None:
             # Its own session (process group) and no preexec_fn: with one, a SIGTERM arriving during
             # the fork was lost about one time in four (the sweep ran on); unsafe with threads too.
@@ -82,14 +83,14 @@ def run_child(spec: RunSpec, run_dir: Path, timeout_s: float) -> dict:
             raise
     _kill_group(proc)  # leftovers of the run's process group (e.g. DeepSpeed worker processes)
     if rc == zygote.BAD_FORK and isinstance(proc, zygote.ForkedRun):  # CUDA unusable in a fork
-        zygote.disable("a forked run could not use CUDA")
+        zygote.disable("a forked run could not use CUDA", proc)
         return run_child(spec, run_dir, timeout_s)
     _trim_log(run_dir / "log.txt")
     result_path = run_dir / "result.json"
     if result_path.exists():
         res = json.loads(result_path.read_text())
         if isinstance(proc, zygote.ForkedRun) and zygote.broke_cuda(res.get("error")):
-            zygote.disable(f"a forked run could not initialise CUDA ({str(res['error'])[:160]})")
+            zygote.disable(f"a forked run could not initialise CUDA ({str(res['error'])[:160]})", proc)
             os.replace(run_dir / "log.txt", run_dir / "log.fork.txt")  # kept: why it ran again
             result_path.unlink()
             return run_child(spec, run_dir, timeout_s)

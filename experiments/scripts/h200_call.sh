@@ -28,10 +28,18 @@ budget=$1; pytest_args=$2; notebooks=$3; shift 3
 start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - start) )); }
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
-# Every run is its own process, and `import transformers` took ~12 s in each on the H200 image
-# (2.6 s here): a writable bytecode cache, so that only the first process of a call compiles.
+# Bytecode: every run is its own process, and `import transformers` took ~12-22 s in each on the
+# H200 image. Python writes and reads .pyc files unless PYTHONDONTWRITEBYTECODE is set, which it is
+# in this project's CPU image (likely the device's too: DeepSpeed runs compiled its sources, 3-4 s
+# of `compile` in every run's init_profile, session 20). The PYTHONPYCACHEPREFIX=/tmp/pycache this
+# script set until session 21 made it worse: with a prefix Python ignores the __pycache__ dirs
+# beside the sources, and with writes off it compiled torch and transformers from source in every
+# process (here: `import torch, transformers...llama` 8.2-8.6 s with the prefix, 3.2-3.7 s
+# without). So: no prefix, writes on (the first process writes what a wheel installed without
+# pyc, in /tmp/site and the checkout). machine.txt records the flags and two timed imports.
 # HF_HUB_OFFLINE: the machine has no network; nothing here downloads (models are built from config).
-export PYTHONPYCACHEPREFIX=/tmp/pycache HF_HUB_OFFLINE=1
+unset PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX
+export HF_HUB_OFFLINE=1
 # Keep $OUT to a handful of files: the device returns a limited number, and session 9 lost a
 # call's results archive to 20 extra files copied there.
 # Wheels: carry `.whl` (all of gpu-wheels.sh's and the notebooks') or, where the checkout and it
@@ -51,6 +59,8 @@ touch /tmp/stamp
 { nvidia-smi -L; nproc; free -g; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
   cat /proc/sys/kernel/random/boot_id /sys/kernel/mm/transparent_hugepage/enabled
   lscpu | grep -iE "model name|numa|socket|mhz"  # NUMA nodes: where a run's arena may land
+  for i in 1 2; do python3 -c 'import sys, time; t = time.perf_counter(); import torch, transformers.models.llama.modeling_llama
+print("import torch+transformers", round(time.perf_counter() - t, 2), "s; dont_write_bytecode", sys.flags.dont_write_bytecode, "pycache_prefix", sys.pycache_prefix)'; done
 } > $OUT/machine.txt 2>&1
 if [ -n "$pytest_args" ]; then
   timeout $(( $(left) - 30 )) python3 -m pytest -q -m gpu --timeout 120 -p no:cacheprovider $pytest_args > $OUT/pytest-gpu.log 2>&1

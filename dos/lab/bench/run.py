@@ -119,7 +119,10 @@ class _Run:
         from dos.lab.bench.timing import Clock
 
         self.spec, self.run_dir, self.clock = spec, run_dir, Clock()
-        self.res = {"status": "ok", "error": None, "files": {}}
+        # started_by: "fork" / "fork:<flavour>" (dos.lab.zygote: imports done before the run's
+        # clock) or "exec" (its init_s includes them)
+        self.res = {"status": "ok", "error": None, "files": {},
+                    "started_by": os.environ.get("DOS_STARTED_BY", "exec")}
         self.sampler = self.system = self.device = None
         self.times, self.lanes = [], []
 
@@ -341,6 +344,7 @@ def launch(spec, spec_path: Path, run_dir: Path) -> dict:
     n = spec.gpus
     env = {**os.environ, "DOS_BENCH_RANKS": str(n), "PYTHONUNBUFFERED": "1"}
     env.pop("DOS_SWEEP_PID", None)  # the ranks are torchrun's children, not the sweep's
+    env.pop("DOS_STARTED_BY", None)  # and started by exec (torchrun's), whatever started this one
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))  # torchrun's default would be 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
