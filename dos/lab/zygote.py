@@ -389,7 +389,8 @@ class _Flavour:
         except (OSError, EOFError):
             pid = None
         if pid is None:
-            print(f"zygote: the {self.name} server is gone; its runs fork from the plain server", file=sys.stderr)
+            print(f"zygote: the {self.name} server is gone; its runs fork from the plain server",
+                  file=sys.stderr)
             self.close(kill=True)
             return False
         out.write(pid + "\n")
