@@ -163,8 +163,12 @@ def test_sampler_without_nvml_records_host_and_absent(tmp_path):
     s.write(tmp_path / "samples.csv")
     rows = list(csv.reader(open(tmp_path / "samples.csv")))
     assert tuple(rows[0]) == SAMPLE_COLUMNS and len(rows) > 25 and rows[1][1] == ""
-    assert SAMPLE_COLUMNS[-3:] == ("host_cpu_busy_pct", "host_cpu_steal_pct", "host_cpu_other_pct")
-    assert any(r[-3] != "" for r in rows[1:])
+    assert SAMPLE_COLUMNS[8:11] == ("host_cpu_busy_pct", "host_cpu_steal_pct", "host_cpu_other_pct")
+    assert any(r[8] != "" for r in rows[1:])
+    # the GPU's clocks: the columns are there, empty without NVML, and so is their summary
+    assert SAMPLE_COLUMNS[11:] == ("gpu_sm_mhz", "gpu_power_w", "gpu_clock_events")
+    assert all(r[11:] == ["", "", ""] for r in rows[1:])
+    assert summary["gpu_sm_mhz_median"] is None and summary["gpu_clock_events"] is None
     s.write(tmp_path / "samples.csv.gz")  # as a run stores it: compressed, the same text
     assert records.read_text(tmp_path / "samples.csv.gz") == (tmp_path / "samples.csv").read_text()
     first = (tmp_path / "samples.csv.gz").read_bytes()
@@ -360,6 +364,21 @@ class _FakeNvml:
         time.sleep(0.02)
         return 5000 if which == 0 else 7000  # KB/s
 
+    NVML_CLOCK_SM = 1
+
+    def nvmlDeviceGetClockInfo(self, h, which):
+        assert which == self.NVML_CLOCK_SM
+        return 1980 if (time.perf_counter() - self.t0) < 0.2 else 1500
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 650_000  # mW
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        if not self.counters:  # a VM that refuses the reading: None, asked once
+            self.refused = getattr(self, "refused", 0) + 1
+            raise self.NVMLError("not supported")
+        return 0 if (time.perf_counter() - self.t0) < 0.2 else 0x4 | 0x20
+
 
 @pytest.mark.parametrize("counters", [True, False])
 def test_sampler_gpu_path_with_fake_nvml(monkeypatch, tmp_path, counters):
@@ -380,6 +399,24 @@ def test_sampler_gpu_path_with_fake_nvml(monkeypatch, tmp_path, counters):
         assert (last[4], last[5]) == (5.0, 7.0)
     s.write(tmp_path / "s.csv")
     assert len((tmp_path / "s.csv").read_text().splitlines()) == len(s.rows) + 1
+    # the GPU's clocks, power and the reasons its clocks were held down (fake: a power cap and a
+    # thermal slowdown from 0.2 s on)
+    assert summary["gpu_sm_mhz_min"] == 1500 and summary["gpu_sm_mhz_median"] in (1500, 1980)
+    assert summary["gpu_power_w_mean"] == 650.0 and last[11:13] == (1500, 650.0)
+    if counters:
+        events = summary["gpu_clock_events"]
+        assert set(events) == {"sw_power_cap", "sw_thermal"} and 0.2 < events["sw_power_cap"] < 0.8
+        assert last[13] == 0x24
+    else:
+        assert summary["gpu_clock_events"] is None and last[13] is None and fake.refused == 1
+
+
+def test_clock_event_names():
+    from dos.lab.nvml import clock_event_names
+
+    assert clock_event_names(0) == [] and clock_event_names(0x1) == ["gpu_idle"]
+    assert clock_event_names(0x4 | 0x40) == ["sw_power_cap", "hw_thermal"]
+    assert clock_event_names(0x8 | 0x10000) == ["hw_slowdown", "0x10000"]
 
 
 # ---------------------------------------------------------------- several GPUs (torchrun)

@@ -58,7 +58,9 @@ def _write(out, shape, *, auto_s=0.82, explore_s=0.0, kept="k=2", batch="B1", bo
             if explore_extra is not None:
                 res["files"] = {"steps_file": "steps.csv"}
             if host_other is not None:
-                res["sampler"] = {"host_cpu_other_pct": host_other * rep, "host_cpu_steal_pct": 0.5}
+                res["sampler"] = {"host_cpu_other_pct": host_other * rep, "host_cpu_steal_pct": 0.5,
+                                  "gpu_sm_mhz_median": 1980 - 100 * rep, "gpu_sm_mhz_min": 1500,
+                                  "gpu_clock_events": {"gpu_idle": 0.1, **({"sw_power_cap": 0.3} if rep == 3 else {})}}
             row = sw.make_row(spec, shape, res, 125.0, batch, (spec.run_id(),) if supersede else (),
                               "re-measured" if supersede else "")
             row.update(timestamp=f"2026-12-01T{hour:02d}:{rep:02d}:{i:02d}+00:00", boot_id=boot)
@@ -142,8 +144,12 @@ def test_planner_check_pass_and_miss(tmp_path):
     # runs that recorded the host's CPU (dos.lab.nvml.HostCpu): the MISS says how busy others kept it
     host = pe.planner_check(_runs(tmp_path, "host", auto_s=0.88, host_other=2.0))
     assert host["host_other_pct"].iloc[0] == "2.0-6.0" and host["host_steal_pct"].iloc[0] == "0.5-0.5"
-    assert "; the host's CPU used by others 2.0-6.0%, stolen 0.5-0.5% of its CPUs over the runs)" in host["why"].iloc[0]
-    assert slow["host_other_pct"].iloc[0] == ""  # none recorded: not named
+    assert "; the host's CPU used by others 2.0-6.0%, stolen 0.5-0.5% of its CPUs over the runs;" in host["why"].iloc[0]
+    # and the GPU's clocks (dos.lab.nvml: SM clock medians over the runs, reasons for lower clocks)
+    assert host["gpu_sm_mhz"].iloc[0] == "1680-1880" and host["gpu_clock_events"].iloc[0] == "sw_power_cap"
+    assert "; the GPU's SM clock 1680-1880 MHz (run medians), held down by sw_power_cap)" in host["why"].iloc[0]
+    assert slow["host_other_pct"].iloc[0] == "" and slow["gpu_sm_mhz"].iloc[0] == ""  # none recorded: not named
+    assert "SM clock" not in slow["why"].iloc[0]
     few = pe.planner_check(_runs(tmp_path, "few", auto_s=0.80, runs=2))
     assert few.verdict == "MISS" and "fewer than 3 runs" in few["why"].iloc[0]
     missing = pe.planner_check(_runs(tmp_path, "nok6", auto_s=0.80, skip=("k=6",)))

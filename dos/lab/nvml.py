@@ -23,12 +23,29 @@ import psutil
 
 COLUMNS = ("t_s", "gpu_mem_used_mib", "gpu_util_pct", "gpu_mem_util_pct", "pcie_tx_mbps",
            "pcie_rx_mbps", "host_rss_mib", "gpu_alloc_mib", "host_cpu_busy_pct", "host_cpu_steal_pct",
-           "host_cpu_other_pct")
+           "host_cpu_other_pct", "gpu_sm_mhz", "gpu_power_w", "gpu_clock_events")
 """pcie_tx: GPU -> host (D2H); pcie_rx: host -> GPU (H2D); MB/s = 1e6 bytes per second.
 gpu_mem_used is what NVML sees (the caching allocator's reservations: it rarely falls);
 gpu_alloc is what PyTorch's tensors hold (torch.cuda.memory_allocated): the rise and fall.
-host_cpu_*: % of all the host's logical CPUs since the previous host sample (`HostCpu`). Columns
-only ever grow at the end (older traces have fewer)."""
+host_cpu_*: % of all the host's logical CPUs since the previous host sample (`HostCpu`).
+gpu_sm_mhz, gpu_power_w: the SM clock and the board's power draw; gpu_clock_events: NVML's bitmask
+of why the clocks are held below their maximum (`CLOCK_EVENTS`; 0 none, 1 idle), so that a run
+slowed by its GPU (a power cap, a thermal slowdown, an application clock) says so: runs of one
+configuration on one machine spread up to 36% in forward + backward with no host episode
+(headline-3b, torch without offload 0.187-0.255 s/iter, session 20). Columns only ever grow at
+the end (older traces have fewer)."""
+
+CLOCK_EVENTS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap",
+                0x8: "hw_slowdown", 0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                0x80: "hw_power_brake", 0x100: "display_clocks"}
+"""nvmlClocksEventReasons bits (NVML's nvml.h; "throttle reasons" before driver 535)."""
+
+
+def clock_event_names(mask: int) -> list:
+    """The named reasons in an NVML clock-event bitmask (unknown bits as hex)."""
+    names = [n for bit, n in CLOCK_EVENTS.items() if mask & bit]
+    rest = mask & ~sum(CLOCK_EVENTS)
+    return names + ([hex(rest)] if rest else [])
 
 _MIB = 1 << 20
 CHILDREN_S = 1.0
@@ -115,6 +132,7 @@ class Sampler:
         self._pcie_latest = (None, None)
         self.nvml_status, self.pcie_source = "absent: no GPU", None
         self._nvml = self._handle = None
+        self._refused: set = set()  # NVML readings this GPU refused (`_clocks`)
         if gpu_index is not None or gpu_uuid is not None:
             try:
                 self._nvml, self._handle = _open_nvml(gpu_index, gpu_uuid)
@@ -197,6 +215,29 @@ class Sampler:
             tx, rx = self._pcie_latest
         return mem, util.gpu, util.memory, tx, rx
 
+    def _clocks(self) -> tuple:
+        """(SM MHz, board W, clock-event bitmask); a reading NVML refuses (some VMs) is None from
+        then on, without retrying it at every sample."""
+        n, h, out = self._nvml, self._handle, []
+        for key, read in (("sm", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
+                          ("power", lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0),
+                          ("events", self._clock_events)):
+            if key in self._refused:
+                out.append(None)
+                continue
+            try:
+                out.append(read())
+            except Exception:
+                self._refused.add(key)
+                out.append(None)
+        return tuple(out)
+
+    def _clock_events(self) -> int:
+        n, h = self._nvml, self._handle
+        get = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            n.nvmlDeviceGetCurrentClocksThrottleReasons
+        return int(get(h))
+
     def _allocated(self) -> Optional[float]:
         """MiB held by PyTorch tensors on the run's GPU; None without an initialized CUDA (the
         sampler never initializes CUDA itself)."""
@@ -221,10 +262,11 @@ class Sampler:
         next_t = time.perf_counter()
         while not self._stop.is_set():
             t = time.perf_counter()
-            gpu = (None,) * 5
+            gpu, clocks = (None,) * 5, (None,) * 3
             if self._handle is not None:
                 try:
                     gpu = self._gpu_sample(t, prev)
+                    clocks = self._clocks()
                 except Exception as e:
                     self.nvml_status = f"absent: sampling failed: {type(e).__name__}: {e}"
                     self._handle = None
@@ -238,7 +280,7 @@ class Sampler:
                         cpu = host.sample(cpu_s)
                 except (psutil.Error, OSError):
                     pass
-            self.rows.append((t - self.t0, *gpu, rss, self._allocated(), *cpu))
+            self.rows.append((t - self.t0, *gpu, rss, self._allocated(), *cpu, *clocks))
             k += 1
             next_t += self.interval
             delay = next_t - time.perf_counter()
@@ -272,6 +314,25 @@ class Sampler:
             # used by anything but this run (a host episode, not the run's own work)
             "host_cpu_steal_pct": mean(9),
             "host_cpu_other_pct": mean(10),
+            # the GPU while training: its SM clock (median, least), power, and every reason NVML
+            # gave for clocks below the maximum, with the share of samples that had it
+            **self._clock_summary(host_since),
+        }
+
+    def _clock_summary(self, since: float) -> dict:
+        rows = [r for r in self.rows if r[0] >= since]
+        sm = sorted(r[11] for r in rows if len(r) > 11 and r[11] is not None)
+        power = [r[12] for r in rows if len(r) > 12 and r[12] is not None]
+        events = [int(r[13]) for r in rows if len(r) > 13 and r[13] is not None]
+        seen: dict = {}
+        for mask in events:
+            for name in clock_event_names(mask):
+                seen[name] = seen.get(name, 0) + 1
+        return {
+            "gpu_sm_mhz_median": sm[len(sm) // 2] if sm else None,
+            "gpu_sm_mhz_min": sm[0] if sm else None,
+            "gpu_power_w_mean": round(sum(power) / len(power), 1) if power else None,
+            "gpu_clock_events": {k: round(v / len(events), 3) for k, v in sorted(seen.items())} if events else None,
         }
 
     def write(self, path) -> None:

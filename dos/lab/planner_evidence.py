@@ -99,13 +99,18 @@ def _window_iter(row) -> float:
     return float(s["iter_s"].mean()) if len(s) else math.nan
 
 
+def _events(shares) -> str:
+    """A run's clock-event reasons as "sw_power_cap, sw_thermal" (idle left out: between steps)."""
+    return ", ".join(k for k in sorted(shares or {}) if k != "gpu_idle")
+
+
 def planner_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """`planner_runs` from rows already loaded with `dos.lab.results.rows` (ok, not superseded)."""
     cols = ["shape", "batch_id", "boot_id", "gpu_uuid", "config", "repeat", "order", "iter_s", "iter_incl_s",
             "iter_window_s",
             "step_s", "fwd_bwd_s", "predicted_step_s", "plan", "kept", "explore_steps", "explore_s",
-            "refined_predicted_s", "host_cpu_other_pct", "host_cpu_steal_pct",
-            "warmup", "steps", "iters", "own_shape", "model", "gpu_mem_cap_gib", "n_params", "run_id",
+            "refined_predicted_s", "host_cpu_other_pct", "host_cpu_steal_pct", "gpu_sm_mhz",
+            "gpu_clock_events", "warmup", "steps", "iters", "own_shape", "model", "gpu_mem_cap_gib", "n_params", "run_id",
             "timestamp", "results_dir", "gpu_name", "date", "smoke"]
     d = rows[rows["system"].eq("dos") & rows["placement"].isin(["cpu", "interleaved"])] if len(rows) else []
     out = []
@@ -138,6 +143,12 @@ def planner_rows(rows: pd.DataFrame) -> pd.DataFrame:
                     # recorded before 2026-12-02 session 12 have none)
                     "host_cpu_other_pct": sampler.get("host_cpu_other_pct", math.nan),
                     "host_cpu_steal_pct": sampler.get("host_cpu_steal_pct", math.nan),
+                    # the GPU's median SM clock while training, and the reasons NVML gave for
+                    # clocks below the maximum, by share of samples (dos.lab.nvml; runs recorded
+                    # before 2026-12-04 session 21 have none)
+                    "gpu_sm_mhz": (sampler.get("gpu_sm_mhz_median")
+                                   if sampler.get("gpu_sm_mhz_median") is not None else math.nan),
+                    "gpu_clock_events": _events(sampler.get("gpu_clock_events")),
                     "warmup": r["warmup"], "steps": r["steps"], "iters": iters,
                     "own_shape": R._run_field(r["config"], "model_overrides") is not None, "model": r["model"],
                     "gpu_mem_cap_gib": r["gpu_mem_cap_gib"], "n_params": r["n_params"], "run_id": r["run_id"],
@@ -233,6 +244,12 @@ def _batches(df: pd.DataFrame) -> list:
                     # the host's CPU used by anything but the run, over the batch's runs (min-max)
                     "host_other_pct": _rng(g["host_cpu_other_pct"].dropna(), ".1f"),
                     "host_steal_pct": _rng(g["host_cpu_steal_pct"].dropna(), ".1f"),
+                    # the GPU's SM clock over the batch's runs (min-max of their medians) and the
+                    # clock-event reasons any run saw (a power cap, a thermal slowdown)
+                    "gpu_sm_mhz": _rng(g["gpu_sm_mhz"].dropna(), ".0f") if "gpu_sm_mhz" in g else "",
+                    "gpu_clock_events": (", ".join(sorted({e for x in g["gpu_clock_events"].dropna()
+                                                           for e in str(x).split(", ") if e}))
+                                         if "gpu_clock_events" in g else ""),
                     "round_robin": rr, "complete": enough and one_unit and rr,
                     "_enough": enough, "_one_unit": one_unit, "_medians": med, "_auto": auto})
     return out
@@ -249,7 +266,9 @@ def planner_check(df: pd.DataFrame) -> CheckTable:
     runs) and `fixed_spread_max`; beside them what the plan controls and what it does not:
     `auto_step_vs_best` (auto's median update phase over the best fixed plan's) and
     `fwd_bwd_spread` ((max - min) / median of forward + backward over the batch's runs), the
-    host's CPU used by others and stolen over the runs (`host_other_pct`, `host_steal_pct`), and,
+    host's CPU used by others and stolen over the runs (`host_other_pct`, `host_steal_pct`), the
+    GPU's SM clock (min-max of the runs' medians, `gpu_sm_mhz`) and the reasons NVML gave for
+    clocks below their maximum (`gpu_clock_events`), and,
     reported not graded, `auto_window_vs_best`: the same comparison over every run's mean
     iteration from step WINDOW_FROM to its end (exploration as it ran, and the fixed plans' own
     early steps; `iter_window_s`). PASS
@@ -270,6 +289,9 @@ def planner_check(df: pd.DataFrame) -> CheckTable:
                 if b["host_other_pct"]:
                     noise += (f"; the host's CPU used by others {b['host_other_pct']}%, stolen "
                               f"{b['host_steal_pct']}% of its CPUs over the runs")
+                if b["gpu_sm_mhz"]:
+                    noise += f"; the GPU's SM clock {b['gpu_sm_mhz']} MHz (run medians)"
+                    noise += f", held down by {b['gpu_clock_events']}" if b["gpu_clock_events"] else ""
             noise += ")" if noise else ""
             why.append(f"auto {b['auto_vs_best']:+.1%} of {b['best_fixed']}{noise}" if b["auto_vs_best"] == b["auto_vs_best"]
                        else "no auto or fixed runs")
