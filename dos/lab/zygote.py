@@ -52,6 +52,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 from typing import Optional
 
 PRELOAD = ["torch", "transformers.models.llama.modeling_llama", "dos", "dos.lab.bench.run",
@@ -118,6 +119,25 @@ def broke_cuda(error) -> bool:
     return any(s in e for s in _CUDA_FORK_ERRORS)
 
 
+class _Lines:
+    """Line reads from a pipe with a timeout (None on timeout, EOFError at its end)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buf = fd, b""
+
+    def readline(self, timeout: Optional[float]) -> Optional[str]:
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 4096)
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode().strip()
+
+
 class ServerGone(RuntimeError):
     pass
 
@@ -129,24 +149,17 @@ class Server:
         env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "dos.lab.zygote"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
-        self._buf = b""
+        self._lines = _Lines(self.proc.stdout.fileno())
         if self.readline(READY_S) != "ready":
             self.proc.kill()  # imports that hang: not left behind
             raise ServerGone("the fork server did not start")
 
     def readline(self, timeout: Optional[float]) -> Optional[str]:
         """The next line, None on timeout; ServerGone at EOF."""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise ServerGone("the fork server exited")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line.decode().strip()
+        try:
+            return self._lines.readline(timeout)
+        except EOFError:
+            raise ServerGone("the fork server exited") from None
 
     def request(self, argv: list, log_path: str, env: dict, flavour: Optional[tuple] = None) -> int:
         req = {"argv": argv, "log": log_path, "env": env}
@@ -318,33 +331,12 @@ def _cache_cpuinfo() -> None:
         cpuinfo.cpuinfo.get_cpu_info = get_cpu_info
 
 
-class _Lines:
-    """Line reads from a pipe with a timeout (None on timeout, EOFError at its end)."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buf = fd, b""
-
-    def readline(self, timeout: Optional[float]) -> Optional[str]:
-        while b"\n" not in self.buf:
-            ready, _, _ = select.select([self.fd], [], [], timeout)
-            if not ready:
-                return None
-            chunk = os.read(self.fd, 4096)
-            if not chunk:
-                raise EOFError
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode().strip()
-
-
 class _Flavour:
     """A flavour server, seen from the plain server: a fork of it that imported FLAVOURS[name]
     too (with `env` set) and serves the same protocol on two pipes; `ok` False: it did not start
     or is gone, and its runs fork from the plain server."""
 
     def __init__(self, name: str, env: dict, close_fds: list):
-        import time
-
         self.name, self.ok = name, False
         r_req, self.w_req = os.pipe()
         self.r_rep, w_rep = os.pipe()
