@@ -652,9 +652,10 @@ def test_device_call_script_continues_a_batch_across_calls_and_refuses_one_it_lo
     assert "holds no row of that batch" in log and not (res / "devcall" / "runs.csv").exists()
 
 
-def test_zygote_caches_cpuinfo(monkeypatch):
-    """The sweep server asks py-cpuinfo once; every later call (DeepSpeed's op builders, in each
-    forked run) gets a copy of that answer without a subprocess."""
+def test_zygote_caches_cpuinfo(monkeypatch, tmp_path):
+    """The sweep server asks py-cpuinfo once (through dos.lab.bench.cpuinfo_cache); every later
+    call (DeepSpeed's op builders, in each forked run) gets a copy of that answer without a
+    subprocess."""
     import types
 
     from dos.lab import zygote
@@ -663,7 +664,7 @@ def test_zygote_caches_cpuinfo(monkeypatch):
     fake = types.ModuleType("cpuinfo")
     fake.get_cpu_info = lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx512f"]}
     monkeypatch.setitem(sys.modules, "cpuinfo", fake)
-    zygote._cache_cpuinfo()
+    zygote._cache_cpuinfo(tmp_path / "a.json")
     assert len(calls) == 1
     a = fake.get_cpu_info()
     a["arch"] = "changed"  # a caller's edit does not reach the next caller
@@ -674,5 +675,7 @@ def test_zygote_caches_cpuinfo(monkeypatch):
         raise RuntimeError("no cpuid")
     broken.get_cpu_info = fails
     monkeypatch.setitem(sys.modules, "cpuinfo", broken)
-    zygote._cache_cpuinfo()
-    assert broken.get_cpu_info is fails
+    zygote._cache_cpuinfo(tmp_path / "b.json")
+    with pytest.raises(RuntimeError, match="no cpuid"):  # each caller sees the failure, as unpatched
+        broken.get_cpu_info()
+    assert not (tmp_path / "b.json").exists()

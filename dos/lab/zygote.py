@@ -309,26 +309,23 @@ def _preload() -> bool:
     return True
 
 
-def _cache_cpuinfo() -> None:
+def _cache_cpuinfo(path=None) -> None:
     """py-cpuinfo's `get_cpu_info()` answered once, in the server, for every child: DeepSpeed calls
     it three times per run (its op builders' cpu_arch and simd_width, DeepSpeedCPUAdam's vendor
     check), each a subprocess of ~1.1-1.5 s (~4.5 s of a DeepSpeed run's init_s on the H200 image).
-    The CPU does not change between the forks of one sweep. No-op where py-cpuinfo is absent."""
-    try:
-        import cpuinfo
-    except ImportError:
-        return
-    try:
-        info = cpuinfo.get_cpu_info()
-    except Exception:  # DeepSpeed then falls back to lscpu itself, as without the cache
-        return
+    The cache is `dos.lab.bench.cpuinfo_cache` (per boot, also for runs by exec and torchrun's
+    ranks); the server fills it before any fork, so that every child inherits the answer. An answer
+    that fails is not kept (DeepSpeed then falls back to lscpu itself). No-op without py-cpuinfo."""
+    from dos.lab.bench import cpuinfo_cache
 
-    def get_cpu_info() -> dict:
-        return dict(info)
+    if not cpuinfo_cache.install(path):
+        return
+    import cpuinfo
 
-    cpuinfo.get_cpu_info = get_cpu_info
-    if hasattr(cpuinfo, "cpuinfo"):
-        cpuinfo.cpuinfo.get_cpu_info = get_cpu_info
+    try:
+        cpuinfo.get_cpu_info()
+    except Exception:
+        pass
 
 
 class _Flavour:

@@ -7,6 +7,9 @@ H200 host (session 17, `init_profile`), 18 DeepSpeed runs in a headline batch. T
 change while the host runs: the first answer is kept in memory and in a file named by the boot id,
 so that later runs of the sweep (separate processes) read it. Only init time changes (not recorded
 as iteration time); what DeepSpeed is told about the CPU is the same.
+The one cache for every way a run starts: the sweep's fork server fills it before its first fork
+(`dos.lab.zygote._cache_cpuinfo`; its own in-memory copy since session 18, so forked runs had
+stopped probing before this module), runs by exec and torchrun's ranks read the boot's file.
 """
 from __future__ import annotations
 
