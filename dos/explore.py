@@ -21,7 +21,12 @@ from typing import Dict, List, Optional, Tuple
 from .perfmodel import Calibration, build_plan, predict, shares
 from .plan import Plan
 
-STEPS_PER = 2       # steps each candidate runs
+# Steps each candidate runs. One: across 186 recorded candidates that ran two (every exploring run
+# under experiments/results/ through session 24), the step that carried the switch took a median
+# 0.99x the one after it (10-90%: 0.90-1.06x), so a second step adds a sample but no correction, and
+# it doubled the cost, which a 22-step planner run charges to auto: ~0.7 s, 4% of its iteration
+# (planner-3b 20261205T2150Z-s24; docs/DESIGN.md §10).
+STEPS_PER = 1
 MAX_STEPS = 12      # steps one exploration may take (the schedule)
 N_BEST = 3          # the model's best plans tried, besides all-CPU and stride 2
 EXPLORE_DRIFT = 0.2  # explore again once a refined rate moved this much since the last exploration
@@ -31,8 +36,7 @@ MAX_LAG = 6         # steps past the schedule an exploration waits for its last 
 # A candidate whose first measured step took this much longer than the best candidate measured so
 # far runs no further step: its first step (which carries the switch) already rules it out, and
 # each further one is pure cost. planner-3b: all-CPU's two steps were ~half of the 0.74-0.88 s an
-# exploration cost (1.02 s a step against 0.84 for the kept plan). Later steps of a near candidate
-# still run: a first step after a switch is up to ~10% slow (docs/DESIGN.md §10).
+# exploration cost (1.02 s a step against 0.84 for the kept plan). Only where `steps_per` > 1.
 DROP_ABOVE = 0.15
 
 
@@ -200,7 +204,7 @@ class Explorer:
     @property
     def finished(self) -> bool:
         """The schedule ran, every candidate has a measurement and every step scheduled by number
-        its sample (the last candidate's second step included)."""
+        its sample (the last candidate's last step included)."""
         return (self.scheduled and all(key(p) in self.times for p, _ in self.candidates)
                 and len(self._seen) >= len(self._runs))
 

@@ -652,6 +652,47 @@ def test_device_call_script_continues_a_batch_across_calls_and_refuses_one_it_lo
     assert "holds no row of that batch" in log and not (res / "devcall" / "runs.csv").exists()
 
 
+@pytest.mark.slow
+def test_device_daemon_runs_a_batch_on_between_calls_and_returns_its_files(tmp_path):
+    """experiments/scripts/h200_daemon.sh (here on the CPU): `start` runs h200_call.sh in its own
+    process session from a copy of the checkout and returns after WAIT_S with the sweep still
+    running; the run goes on without a call; `wait` returns once it ended, with the packs, logs and
+    results.tar.gz in $OUT. A second `start` while it runs is refused; `wait` without one says so."""
+    repo = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(repo)], check=True)
+    for name in ("h200_call.sh", "h200_daemon.sh"):
+        shutil.copy(Path(ROOT) / "experiments" / "scripts" / name, repo / "experiments" / "scripts")
+    (repo / "experiments" / "sweeps" / "devd.yaml").write_text(
+        "name: devd\ndefaults: {model: tiny, device: cpu, seq_len: 16, micro_batch: 1, warmup: 0, "
+        "steps: 1, nvml_hz: 5}\nruns:\n  - {system: torch-cpu, seed: [0, 1]}\n")
+    out, d = tmp_path / "out", tmp_path / "daemon"
+    env = {**os.environ, "OUT": str(out), "DOS_DEVICE_RESULTS": str(tmp_path / "device-results"),
+           "DOS_DAEMON_DIR": str(d), "H200_CALL_KEEP_PROCS": "1",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+
+    def call(*args, rc=0):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        r = subprocess.run(["bash", "experiments/scripts/h200_daemon.sh", *args], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == rc, r.stdout + r.stderr
+        return r.stdout + r.stderr
+
+    assert "no daemon" in call("wait", "1", rc=1)
+    assert "WAIT_S" in call("wait", "soon", rc=2)
+    said = call("start", "0", "500", "", "", "experiments/sweeps/devd.yaml#+B-daemon")
+    assert "daemon started" in said and "daemon running" in said, said
+    assert "running already" in call("start", "0", "500", "", "", "experiments/sweeps/devd.yaml", rc=1)
+    said = call("wait", "500")
+    assert "daemon ended: rc=0" in said, said
+    assert {"devd.tar.gz", "results.tar.gz", "sweeps.log", "machine.txt"} <= {p.name for p in out.iterdir()}
+    with tarfile.open(out / "devd.tar.gz") as tar:
+        tar.extractall(tmp_path / "back")
+    rows = records.read_rows(tmp_path / "back" / "devd" / "runs.csv")
+    assert [r["batch_id"] for r in rows] == ["B-daemon", "B-daemon"]
+    assert not (repo / "experiments" / "results" / "devd").exists()  # it ran in its own copy
+
+
 def test_zygote_caches_cpuinfo(monkeypatch, tmp_path):
     """The sweep server asks py-cpuinfo once (through dos.lab.bench.cpuinfo_cache); every later
     call (DeepSpeed's op builders, in each forked run) gets a copy of that answer without a
@@ -679,3 +720,20 @@ def test_zygote_caches_cpuinfo(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="no cpuid"):  # each caller sees the failure, as unpatched
         broken.get_cpu_info()
     assert not (tmp_path / "b.json").exists()
+
+
+def test_expected_time_goes_by_the_latest_runs_of_a_configuration():
+    """A configuration's older rows may be of slower code (planner-3b: runs by exec ~52 s, forked
+    ~32 s): `expected_s` takes the median of the latest `RECENT` rows, by timestamp, not of all."""
+    spec = sw.parse({"defaults": {"device": "cpu", "seq_len": 16, "micro_batch": 1, "warmup": 0,
+                                  "steps": 1}, "runs": [{"system": "torch-cpu", "seed": 0}]}, "recent").runs[0]
+    cfg = json.dumps({"run": spec.to_dict()})
+
+    def row(ts, wall):
+        return {"status": "ok", "wall_s": str(wall), "config": cfg, "timestamp": ts}
+
+    old = [row(f"2026-12-01T00:00:0{i}", 52.0 + i) for i in range(5)]
+    new = [row(f"2026-12-05T00:00:0{i}", 30.0 + i) for i in range(sw.RECENT)]
+    assert sw.expected_s(spec, old + new) == pytest.approx(31.0 + sw.RUN_OVERHEAD_S)
+    assert sw.expected_s(spec, new + old) == pytest.approx(31.0 + sw.RUN_OVERHEAD_S)  # by timestamp
+    assert sw.expected_s(spec, old) == pytest.approx(55.0 + sw.RUN_OVERHEAD_S)

@@ -220,12 +220,13 @@ def run(sweep: Sweep, out_dir, pack: Optional[str] = None, dry_run: bool = False
     return counts
 
 
+RECENT = 3  # the latest recorded runs of a configuration `expected_s` goes by
 RUN_OVERHEAD_S = 15.0  # a run's process start, imports before its clock, teardown, the preflight
 
 
 def expected_s(spec: RunSpec, rows: Sequence[dict], elsewhere: Sequence[dict] = ()) -> float:
     """Seconds `spec` is expected to take, from the ok rows already recorded, each row's wall time
-    taken to `spec`'s warm-up + steps (`_at_steps`): the median over the rows of the same
+    taken to `spec`'s warm-up + steps (`_at_steps`): the median over the latest `RECENT` rows of the same
     configuration (every setting but the repeat), else over the rows of the same system and model,
     else over those rows in `elsewhere` (other sweeps' records: a sweep's first round has none of
     its own), else over the same system's rows at the nearest parameter count, scaled by the
@@ -250,8 +251,13 @@ def expected_s(spec: RunSpec, rows: Sequence[dict], elsewhere: Sequence[dict] = 
 
     alike = ("system", "model", "model_overrides", "device")
     for where, keys in ((True, [k for k in mine if k != "repeat"]), (True, alike), (False, alike)):
-        walls = [w for here, run, _, w in recs if here == where and same(run, keys)]
-        if walls:
+        matched = [(str(r.get("timestamp") or ""), i, w) for i, (here, run, r, w) in enumerate(recs)
+                   if here == where and same(run, keys)]
+        if matched:
+            # the latest RECENT of them (rows in the order recorded, then by timestamp): a sweep's
+            # older rows may be of slower code (planner-3b's first rows ran by exec, ~52 s, the
+            # forked runs of session 24 ~32 s: the median of all deferred a run a call could hold)
+            walls = [w for _, _, w in sorted(matched)[-RECENT:]]
             return statistics.median(walls) + RUN_OVERHEAD_S
     # a size this system never ran at: its runs at the nearest parameter count, scaled by it
     # (init, copies and the update phase grow with the parameters)
