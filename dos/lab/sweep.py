@@ -254,7 +254,7 @@ def expected_s(spec: RunSpec, rows: Sequence[dict], elsewhere: Sequence[dict] = 
         matched = [(str(r.get("timestamp") or ""), i, w) for i, (here, run, r, w) in enumerate(recs)
                    if here == where and same(run, keys)]
         if matched:
-            # the latest RECENT of them (rows in the order recorded, then by timestamp): a sweep's
+            # the latest RECENT of them (by timestamp, ties in the order recorded): a sweep's
             # older rows may be of slower code (planner-3b's first rows ran by exec, ~52 s, the
             # forked runs of session 24 ~32 s: the median of all deferred a run a call could hold)
             walls = [w for _, _, w in sorted(matched)[-RECENT:]]
