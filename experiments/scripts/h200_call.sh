@@ -71,7 +71,10 @@ if [ -n "$notebooks" ]; then
   echo "dos run rc=$?"; tail -15 $OUT/run.log
 fi
 if [ $# -gt 0 ]; then
-  timeout 60 python3 -m dos calibrate --cached --out experiments/results/calibration/NVIDIA-H200-$(date -u +%Y%m%d-%H%M%S).json \
+  # named after the GPU it ran on (until session 28 every profile was named NVIDIA-H200-*, the H100
+  # calls' too: their gpu_name field says which card it was)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print $1"-"$2}')
+  timeout 60 python3 -m dos calibrate --cached --out experiments/results/calibration/${gpu:-GPU}-$(date -u +%Y%m%d-%H%M%S).json \
     > $OUT/calibration.txt 2>&1; echo "calibrate rc=$?"  # the profile the runs plan with, recorded
   for arg in "$@"; do
     bspec=""; case $arg in *'#'*) bspec=${arg##*#}; arg=${arg%#*};; esac
