@@ -737,3 +737,14 @@ def test_expected_time_goes_by_the_latest_runs_of_a_configuration():
     assert sw.expected_s(spec, old + new) == pytest.approx(31.0 + sw.RUN_OVERHEAD_S)
     assert sw.expected_s(spec, new + old) == pytest.approx(31.0 + sw.RUN_OVERHEAD_S)  # by timestamp
     assert sw.expected_s(spec, old) == pytest.approx(55.0 + sw.RUN_OVERHEAD_S)
+
+
+def test_label_names_an_overridden_preset_by_its_overrides():
+    """a run of an own shape (a preset with model_overrides) is labelled by its overrides, not as the
+    preset: planner-wide-4b's runs printed as '3B' in session 28's progress lines"""
+    from dos.lab.bench.spec import RunSpec
+    plain = RunSpec(system="dos", placement="cpu", model="3B")
+    wide = RunSpec(system="dos", placement="cpu", model="3B",
+                   model_overrides={"layers": 16, "hidden": 4608})
+    assert " 3B s" in plain.label()
+    assert " 3B+hidden=4608,layers=16 s" in wide.label()

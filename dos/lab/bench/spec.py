@@ -180,7 +180,10 @@ class RunSpec:
             parts.append(f"sched={self.cpu_schedule}")
         if self.system == "deepspeed-twinflow":
             parts.append(f"r={self.ratio}")
-        parts += [self.model, f"s{self.seq_len}", f"mb{self.micro_batch}"]
+        # an overridden preset is another shape: the label says which, not the preset's name alone
+        model = self.model + ("+" + ",".join(f"{k}={v}" for k, v in sorted(self.model_overrides.items()))
+                              if self.model_overrides else "")
+        parts += [model, f"s{self.seq_len}", f"mb{self.micro_batch}"]
         if self.gpu_mem_cap_gib:
             parts.append(f"cap{self.gpu_mem_cap_gib:g}G")
         if self.repeat is not None:
