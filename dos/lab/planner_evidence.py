@@ -216,7 +216,10 @@ def _batches(df: pd.DataFrame) -> list:
         one_unit = g["iters"].nunique() == 1
         rr = _round_robin(g)
         first = g.iloc[0]
+        # model is the preset an own shape overrides (3B for wide-4b): params says its size
         out.append({"shape": shape, "batch_id": batch, "model": first["model"],
+                    "params_b": round(float(first["n_params"]) / 1e9, 2),
+                    "gpu": "/".join(dict.fromkeys(str(v) for v in g["gpu_name"])),
                     "gpu_cap_gib": first["gpu_mem_cap_gib"], "own_shape": bool(first["own_shape"]),
                     "boot_ids": tuple(dict.fromkeys(g["boot_id"])), "first": first["timestamp"],
                     "iters": "/".join(f"{w:g}+{s:g}" for w, s in g[["warmup", "steps"]].drop_duplicates().values),
