@@ -65,6 +65,19 @@ DOS_INLINE uint16_t f32_to_bf16(float f) {
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The split master (dos/split_master.py): fp32 <-> (bf16 rounded half away from zero, int16).
+DOS_INLINE float split_join(uint16_t h, int16_t l) {
+  return from_bits(((uint32_t(h) & 0x8000u) << 16) | uint32_t(int32_t((h & 0x7FFFu) << 16) + l));
+}
+
+DOS_INLINE void split_of(float f, uint16_t* h, int16_t* l) {
+  const uint32_t u = bits(f), s = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) { *h = uint16_t(s | 0x7FC0u); *l = 0; return; }  // NaN: quiet, lo 0
+  const uint32_t ha = (a + 0x8000u) >> 16;
+  *h = uint16_t(s | ha);
+  *l = int16_t(int32_t(a) - int32_t(ha << 16));
+}
+
 // IEEE fp16 <-> fp32 without F16C, as c10::Half (the FP16 library's bit tricks).
 DOS_INLINE float f16_to_f32(uint16_t h) {
   const uint32_t w = uint32_t(h) << 16, sign = w & 0x80000000u, two_w = w + w;
@@ -117,6 +130,8 @@ struct V {
   static DOS_INLINE void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16(x); }
   static DOS_INLINE F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
   static DOS_INLINE void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
+  static DOS_INLINE F load_split(const uint16_t* h, const int16_t* l) { return split_join(*h, *l); }
+  static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) { split_of(x, h, l); }
   static DOS_INLINE F add(F a, F b) { return a + b; }
   static DOS_INLINE F sub(F a, F b) { return a - b; }
   static DOS_INLINE F mul(F a, F b) { return a * b; }
@@ -170,6 +185,26 @@ struct V {
   }
   DOS_TGT static DOS_INLINE F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  DOS_TGT static DOS_INLINE F load_split(const uint16_t* h, const int16_t* l) {
+    const __m256i hv = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    const __m256i lv = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(l)));
+    const __m256i s = _mm256_slli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x7FFF)), 16), lv);
+    return _mm256_castsi256_ps(_mm256_or_si256(s, a));
+  }
+  DOS_TGT static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i s = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i ha = _mm256_srli_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    const __m256i hv = _mm256_blendv_epi8(_mm256_or_si256(s, ha), _mm256_or_si256(s, _mm256_set1_epi32(0x7FC0)), nan);
+    const __m256i lv = _mm256_andnot_si256(nan, _mm256_sub_epi32(a, _mm256_slli_epi32(ha, 16)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h),
+                     _mm_packus_epi32(_mm256_castsi256_si128(hv), _mm256_extracti128_si256(hv, 1)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(l),
+                     _mm_packs_epi32(_mm256_castsi256_si128(lv), _mm256_extracti128_si256(lv, 1)));
   }
   DOS_TGT static DOS_INLINE void store_f16(uint16_t* p, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
@@ -246,6 +281,24 @@ struct V {
   }
   DOS_TGT static DOS_INLINE F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  DOS_TGT static DOS_INLINE F load_split(const uint16_t* h, const int16_t* l) {
+    const __m512i hv = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    const __m512i lv = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(l)));
+    const __m512i s = _mm512_slli_epi32(_mm512_and_si512(hv, _mm512_set1_epi32(0x8000)), 16);
+    const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(hv, _mm512_set1_epi32(0x7FFF)), 16), lv);
+    return _mm512_castsi512_ps(_mm512_or_si512(s, a));
+  }
+  DOS_TGT static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i s = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i ha = _mm512_srli_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x8000)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
+    const __m512i hv = _mm512_mask_blend_epi32(nan, _mm512_or_si512(s, ha), _mm512_or_si512(s, _mm512_set1_epi32(0x7FC0)));
+    const __m512i lv = _mm512_maskz_mov_epi32(_mm512_knot(nan), _mm512_sub_epi32(a, _mm512_slli_epi32(ha, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi32_epi16(hv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi32_epi16(lv));
   }
   DOS_TGT static DOS_INLINE void store_f16(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
@@ -364,10 +417,11 @@ using LowpFn = void (*)(const Consts&, const LowpArrays&, int64_t, int64_t);
 LowpFn pick_lowp(Isa isa, StateFmt fmt) {
   const bool q = fmt == StateFmt::kInt8;
 #ifdef DOS_X86
-  if (isa == Isa::kAvx512) return q ? &avx512::run_int8 : &avx512::run_bf16;
-  if (isa == Isa::kAvx2) return q ? &avx2::run_int8 : &avx2::run_bf16;
+  const bool sp = fmt == StateFmt::kBF16Split;
+  if (isa == Isa::kAvx512) return q ? &avx512::run_int8 : sp ? &avx512::run_split : &avx512::run_bf16;
+  if (isa == Isa::kAvx2) return q ? &avx2::run_int8 : sp ? &avx2::run_split : &avx2::run_bf16;
 #endif
-  return q ? &scalar::run_int8 : &scalar::run_bf16;
+  return q ? &scalar::run_int8 : sp ? &scalar::run_split : &scalar::run_bf16;
 }
 }  // namespace
 

@@ -44,11 +44,11 @@ bool fixed_ranges();
 // Low-precision optimizer state (dos/state_format.py defines the formats and the algorithm):
 // an fp32 master with bf16 moments, or int8/uint8 block-quantized moments with fp32 scales.
 // The math is `adamw`'s, in fp32, on decoded moments; the new fp32 moments are then encoded.
-enum class StateFmt : int { kBF16 = 1, kInt8 = 2 };
+enum class StateFmt : int { kBF16 = 1, kInt8 = 2, kBF16Split = 3 };
 constexpr int64_t kQuantBlock = 2048;  // int8: elements per scale pair (state_format.BLOCK)
 
 struct LowpArrays {
-  float* master;     // n
+  float* master;     // n (nullptr for kBF16Split)
   void* exp_avg;     // n: bf16 (uint16_t bits) or int8
   void* exp_avg_sq;  // n: bf16 (uint16_t bits) or uint8
   float* scales;     // int8 only: [s_m of each block, then s_v of each block], 2*ceil(n/2048)
@@ -57,6 +57,10 @@ struct LowpArrays {
   void* out;         // n, or nullptr when out_dtype == kNone
   DType out_dtype;
   int64_t n, lo, hi;  // whole-subgroup arrays; elements [lo, hi) are updated
+  // kBF16Split only (dos/split_master.py): the master as its bf16 weight `hi` (rounded half away
+  // from zero) and int16 `lo`, master = sign | ((|hi| << 16) + lo); `out` (bf16) gets `hi`.
+  uint16_t* master_hi = nullptr;
+  int16_t* master_lo = nullptr;
 };
 
 // Updates [lo, hi). int8: every block [lo, hi) touches is re-encoded with its new scales (its

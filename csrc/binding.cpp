@@ -156,6 +156,54 @@ void adamw_lowp_(const at::Tensor& master, const at::Tensor& exp_avg, const at::
                   parse_isa(isa));
 }
 
+// The split master with bf16 moments (dos/split_master.py): whole-subgroup tensors, hi bf16,
+// lo int16, moments bf16; updates [lo_i, hi_i). `out` (bf16, optional: `grad` itself or apart from
+// the state) receives the new weights, which are `hi`.
+void adamw_split_(const at::Tensor& hi, const at::Tensor& lo, const at::Tensor& exp_avg,
+                  const at::Tensor& exp_avg_sq, const at::Tensor& grad,
+                  const std::optional<at::Tensor>& out, int64_t lo_i, int64_t hi_i, int64_t step,
+                  double lr, double beta1, double beta2, double eps, double weight_decay,
+                  double grad_scale, int64_t threads, c10::string_view isa) {
+  const char* const E = "dos::adamw_split_: ";
+  const int64_t n = hi.numel();
+  TORCH_CHECK(0 <= lo_i && lo_i <= hi_i && hi_i <= n, E, "need 0 <= lo <= hi <= numel, got lo=",
+              lo_i, " hi=", hi_i, " numel=", n);
+  TORCH_CHECK(hi.scalar_type() == at::kBFloat16 && lo.scalar_type() == at::kShort, E,
+              "the master is hi bfloat16 and lo int16, got ", hi.scalar_type(), "/", lo.scalar_type());
+  TORCH_CHECK(exp_avg.scalar_type() == at::kBFloat16 && exp_avg_sq.scalar_type() == at::kBFloat16,
+              E, "moments must be bfloat16");
+  const std::vector<const at::Tensor*> state = {&hi, &lo, &exp_avg, &exp_avg_sq};
+  for (size_t i = 0; i < state.size(); ++i) {
+    TORCH_CHECK(state[i]->is_contiguous() && state[i]->device().is_cpu() && state[i]->numel() == n,
+                E, "state must be contiguous CPU tensors of equal numel");
+    TORCH_CHECK(n == 0 || !overlap(*state[i], grad), E, "grad overlaps the optimizer state");
+    for (size_t j = i + 1; j < state.size(); ++j)
+      TORCH_CHECK(n == 0 || !overlap(*state[i], *state[j]), E, "the state tensors overlap");
+  }
+  TORCH_CHECK(grad.is_contiguous() && grad.numel() == n, E, "grad must be contiguous, of equal numel");
+  TORCH_CHECK(step >= 1, E, "step must be >= 1, got ", step);
+  TORCH_CHECK(threads >= 0, E, "threads must be >= 0 (0: torch's thread count)");
+  TORCH_CHECK(grad_scale != 0.0, E, "grad_scale must be nonzero");
+  dos::LowpArrays a{nullptr, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), nullptr, grad.data_ptr(),
+                    kernel_dtype(grad, "grad"), nullptr, dos::DType::kNone, n, lo_i, hi_i};
+  a.master_hi = static_cast<uint16_t*>(hi.data_ptr());
+  a.master_lo = static_cast<int16_t*>(lo.data_ptr());
+  if (out.has_value() && n > 0) {
+    const at::Tensor& o = *out;
+    TORCH_CHECK(o.scalar_type() == at::kBFloat16 && o.is_contiguous() && o.numel() == n, E,
+                "out must be contiguous bfloat16 of equal numel (the weights are hi)");
+    const bool is_grad = o.data_ptr() == grad.data_ptr() && o.scalar_type() == grad.scalar_type();
+    TORCH_CHECK(is_grad || !overlap(o, grad), E, "out must be grad itself or not overlap it");
+    for (const at::Tensor* t : state) TORCH_CHECK(!overlap(o, *t), E, "out overlaps the optimizer state");
+    a.out = o.data_ptr();
+    a.out_dtype = dos::DType::kBF16;
+  }
+  const int nt = threads > 0 ? int(threads) : at::get_num_threads();
+  dos::adamw_lowp(a, dos::StateFmt::kBF16Split,
+                  dos::AdamwHyper{step, lr, beta1, beta2, eps, weight_decay, grad_scale}, nt,
+                  parse_isa(isa));
+}
+
 std::vector<std::string> cpu_isas() {  // supported here, best first
   std::vector<std::string> r;
   for (int i = 2; i >= 0; --i)
@@ -183,6 +231,11 @@ TORCH_LIBRARY(dos, m) {
         "Tensor(e!)? scales, Tensor grad, Tensor(d!)? out, int lo, int hi, int step, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, float grad_scale=1., "
         "int threads=0, str isa='scalar') -> ()");
+  // The split master (hi bf16, lo int16) with bf16 moments: dos/split_master.py.
+  m.def("adamw_split_(Tensor(a!) hi, Tensor(b!) lo, Tensor(c!) exp_avg, Tensor(d!) exp_avg_sq, "
+        "Tensor grad, Tensor(e!)? out, int lo_i, int hi_i, int step, float lr, float beta1, "
+        "float beta2, float eps, float weight_decay, float grad_scale=1., int threads=0, "
+        "str isa='scalar') -> ()");
   m.def("cpu_isas() -> str[]", &cpu_isas);
   // How the threads share a call: "dynamic" chunks (default) or "static" per-thread ranges.
   m.def("set_schedule(str name) -> ()", &set_schedule);
@@ -191,4 +244,5 @@ TORCH_LIBRARY(dos, m) {
 TORCH_LIBRARY_IMPL(dos, CPU, m) {
   m.impl("adamw_", &adamw_);
   m.impl("adamw_lowp_", &adamw_lowp_);
+  m.impl("adamw_split_", &adamw_split_);
 }

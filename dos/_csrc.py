@@ -106,7 +106,7 @@ def _reason(e: Exception) -> str:
 
 def _register_fake() -> None:
     """Lets torch.compile / fake tensors trace through the in-place op."""
-    for op in ("dos::adamw_", "dos::adamw_lowp_"):
+    for op in ("dos::adamw_", "dos::adamw_lowp_", "dos::adamw_split_"):
         try:
             torch.library.register_fake(op)(lambda *args, **kwargs: None)
         except Exception as e:  # older torch, or already registered: eager use is unaffected

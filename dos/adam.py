@@ -119,6 +119,25 @@ def cpu_state_step_(fmt, views, grad, out, *, lo: int, hi: int, step, lr, beta1,
                     _csrc.isa())
 
 
+def cpu_split_step_(hi, lo, exp_avg, exp_avg_sq, grad, out, *, lo_i: int, hi_i: int, step, lr,
+                    beta1, beta2, eps, weight_decay, grad_scale=1.0, threads: Optional[int] = None) -> None:
+    """The CPU lane's update of elements [lo_i, hi_i) of a split master (dos/split_master.py: hi
+    bf16, lo int16) with bf16 moments; `out` (None, `grad` itself or another bf16 tensor) also
+    receives the weights, which are `hi`. `torch.ops.dos.adamw_split_`, or without the extension
+    the plain-torch `split_master.reference_step_`. Not yet a state format of the engine."""
+    from dos import split_master as sm
+
+    ops = _csrc.ops()
+    if ops is None:
+        sm.reference_step_(hi, lo, exp_avg, exp_avg_sq, grad, lo_i=lo_i, hi_i=hi_i, step=step, lr=lr,
+                           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                           grad_scale=grad_scale, out=out)
+        return
+    ops.adamw_split_(hi, lo, exp_avg, exp_avg_sq, grad, out, int(lo_i), int(hi_i), int(step),
+                     float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                     float(grad_scale), 0 if threads is None else int(threads), _csrc.isa())
+
+
 def cpu_impl() -> str:
     """Name of the implementation `cpu_adamw_` runs (recorded with every run):
     'dos-csrc-avx512' | 'dos-csrc-avx2' | 'dos-csrc-scalar' | 'torch-fused'."""

@@ -528,7 +528,8 @@ def test_kernel_bench_times_every_state_format(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel, "deepspeed_impls", lambda *a: [])  # its JIT build: a minute here
     rows = kernel.run([1], 6000, "kernel-probe", 1, tmp_path)
     by = {r["impl"]: r for r in rows}
-    for name, nbytes in (("dos", 28), ("dos-bf16", 20), ("dos-int8", 16), ("dos-bf16-noweight", 18)):
+    for name, nbytes in (("dos", 28), ("dos-bf16", 20), ("dos-int8", 16), ("dos-bf16-noweight", 18),
+                          ("dos-bf16-split", 18)):
         assert by[name]["status"] == "ok" and by[name]["bytes_per_param"] == nbytes, by[name]
         assert by[name]["median_s"] > 0
     with open(tmp_path / "kernel-probe" / "runs.csv") as f:

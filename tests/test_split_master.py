@@ -75,3 +75,120 @@ def test_reference_step_is_the_bf16_reference_on_the_joined_master():
     # the weights differ from torch's cast of the master only at exact ties
     diff = hi.view(torch.int16) != views.master.to(torch.bfloat16).view(torch.int16)
     assert (((views.master.view(torch.int32) & 0xFFFF) == 0x8000) | ~diff).all()
+
+
+# ---- the CPU kernel (torch.ops.dos.adamw_split_) ---------------------------------------------
+
+import pytest  # noqa: E402
+
+from helpers import csrc_ops, need_isa, one_torch_thread  # noqa: E402,F401  (fixtures)
+
+ISAS = ["scalar", "avx2", "avx512"]
+SIZES = (1, 7, 31, 33, 5003)
+STEPS = [(1, 1e-2, 0.0, 1.0), (2, 3e-2, 0.1, 1.0), (3, 1e-3, 0.0, 4.0), (4, 2e-2, 0.01, 0.5)]
+
+
+def _state(n, seed=0, specials=False):
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g)
+    if specials and n >= 8:  # exact ties, a huge value, signed zeros
+        master[:4] = torch.tensor([1.0 + 2.0 ** -8, -(1.0 + 3 * 2.0 ** -8), 3.0e38, -0.0])
+    hi, lo = sm.split(master)
+    z = lambda: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    return hi, lo, z(), z()
+
+
+def _grads(n, gdt, seed):
+    g = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    if n >= 8:
+        g[5], g[6] = float("inf"), float("nan")  # poison two elements: both paths alike
+    return g.to(gdt)
+
+
+def _same_master(a, b):
+    """Bitwise, except that a NaN master is a NaN (the split keeps no NaN payload)."""
+    nan = b.isnan()
+    assert torch.equal(a.isnan(), nan)
+    assert torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("gdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_kind", [None, "alias", "apart"])
+def test_kernel_is_the_bf16_kernel_on_the_joined_master(csrc_ops, isa, n, gdt, out_kind):
+    """Same ISA, same math: the split kernel's joined master and moments equal the bf16-moment
+    kernel's (adamw_lowp_) bitwise, step after step; its weights are `hi`; the scalar path also
+    equals the plain-torch reference bitwise."""
+    need_isa(csrc_ops, isa)
+    if out_kind == "alias" and gdt != torch.bfloat16:
+        pytest.skip("the weights overwrite the gradient only in the weights' dtype")
+    hi, lo, m, v = _state(n, specials=True)
+    master = sm.join(hi, lo)
+    m2, v2 = m.clone(), v.clone()
+    rhi, rlo, rm, rv = hi.clone(), lo.clone(), m.clone(), v.clone()
+    for step, lr, wd, scale in STEPS:
+        g = _grads(n, gdt, step)
+        g2, gr = g.clone(), g.clone()
+        out = {None: None, "alias": g, "apart": torch.empty(n, dtype=torch.bfloat16)}[out_kind]
+        csrc_ops.adamw_split_(hi, lo, m, v, g, out, 0, n, step, lr, 0.9, 0.999, 1e-8, wd, scale, 2, isa)
+        csrc_ops.adamw_lowp_(master, m2, v2, None, g2, None, 0, n, step, lr, 0.9, 0.999, 1e-8, wd,
+                             scale, 1, isa)
+        _same_master(sm.join(hi, lo), master)
+        assert torch.equal(m.view(torch.int16), m2.view(torch.int16))
+        assert torch.equal(v.view(torch.int16), v2.view(torch.int16))
+        if out is not None:
+            assert torch.equal(out.view(torch.int16), hi.view(torch.int16))
+        if isa == "scalar":
+            sm.reference_step_(rhi, rlo, rm, rv, gr, lo_i=0, hi_i=n, step=step, lr=lr, beta1=0.9,
+                               beta2=0.999, eps=1e-8, weight_decay=wd, grad_scale=scale)
+            # NaN-aware: torch's vectorized bf16 cast keeps a NaN moment's sign and payload bits,
+            # which reach the master's NaN sign; every other element is bitwise equal
+            _same_master(sm.join(hi, lo), sm.join(rhi, rlo))
+            for a, b in ((m, rm), (v, rv)):
+                _same_master(a.float(), b.float())
+
+
+@pytest.mark.parametrize("isa", ["scalar", "best"])
+def test_kernel_segments_leave_the_rest(csrc_ops, isa):
+    isa = need_isa(csrc_ops, isa) or isa
+    n = 5003
+    hi, lo, m, v = _state(n, seed=3)
+    before = [t.clone() for t in (hi, lo, m, v)]
+    g = _grads(n, torch.bfloat16, 9)
+    csrc_ops.adamw_split_(hi, lo, m, v, g, None, 17, 4001, 1, 1e-2, 0.9, 0.999, 1e-8, 0.1, 1.0, 2, isa)
+    for a, b in zip((hi, lo, m, v), before):
+        assert torch.equal(a[:17].view(torch.int16), b[:17].view(torch.int16))
+        assert torch.equal(a[4001:].view(torch.int16), b[4001:].view(torch.int16))
+    assert not torch.equal(hi[17:4001].view(torch.int16), before[0][17:4001].view(torch.int16))
+
+
+def test_kernel_rejects_bad_input(csrc_ops):
+    n = 64
+    hi, lo, m, v = _state(n)
+    g = torch.zeros(n, dtype=torch.bfloat16)
+    args = (0, n, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1, "scalar")
+    with pytest.raises(RuntimeError, match="hi bfloat16 and lo int16"):
+        csrc_ops.adamw_split_(hi, lo.view(torch.bfloat16), m, v, g, None, *args)
+    with pytest.raises(RuntimeError, match="overlap"):
+        csrc_ops.adamw_split_(hi, lo, m, m, g, None, *args)
+    with pytest.raises(RuntimeError, match="out must be contiguous bfloat16"):
+        csrc_ops.adamw_split_(hi, lo, m, v, g, torch.empty(n), *args)
+    with pytest.raises(RuntimeError, match="lo <= hi"):
+        csrc_ops.adamw_split_(hi, lo, m, v, g, None, 5, 2, *args[2:])
+
+
+def test_python_entry_falls_back_to_the_reference(monkeypatch):
+    from dos import _csrc
+    from dos.adam import cpu_split_step_
+
+    n = 300
+    a, b = _state(n, seed=4), _state(n, seed=4)
+    g = _grads(n, torch.bfloat16, 2)
+    hp = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    monkeypatch.setattr(_csrc, "ops", lambda: None)
+    cpu_split_step_(*a, g, None, lo_i=0, hi_i=n, **hp)
+    sm.reference_step_(*b, g, lo_i=0, hi_i=n, **hp)
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))

@@ -19,11 +19,13 @@ STREAM's convention (no write-allocate; scratch that stays in cache is free):
   dos-bf16          20 = master 4 + 4, bf16 moments 2 x (2 + 2), 2 bf16 grad in, 2 weights out
   dos-int8          16 = master 4 + 4, int8/uint8 codes 2 x (1 + 1), 2 + 2 (scales: 16 B/2048)
   dos-bf16-noweight 18 = dos-bf16 without the weights out (`out=None`)
+  dos-bf16-split    18 = split master hi 2 + 2, lo 2 + 2, bf16 moments 2 x (2 + 2), 2 bf16 grad in
 (dos-bf16 and dos-int8: dos's CPU kernel on bf16 / int8 moments, dos/state_format.py; the engine's
 CPU lane with `state_dtype`, measured apart from the lanes and copies: issue 17, criterion 3.
 dos-bf16-noweight moves exactly the bytes of a *split master* (docs/DESIGN.md §3.7: the master
 stored as its bf16 weight `hi` and a 16-bit `lo`, so writing the master writes the weight): the
-measured bound of that lever on this host's CPU lane before it is built — its weights are wrong.)
+measured bound of that lever on this host's CPU lane — its weights are wrong; dos-bf16-split is the
+split master's own kernel, dos/split_master.py, not yet an engine state format.)
 stream-copy (b -> a) counts 8 B, stream-triad (a = b + 3c) 12 B and stream-add-inplace (a += b, the
 kernels' read-modify-write pattern, no write-allocate) 12 B per element.
 """
@@ -114,6 +116,13 @@ def lowp_impls(n: int, g16: torch.Tensor) -> List[Impl]:
         def step(t, views=views, fmt=fmt, weights=weights):
             cpu_state_step_(fmt, views, g16, weights, lo=0, hi=n, step=_next(), threads=t, **HP)
         out.append(Impl(name, nbytes, step))
+    from dos import split_master as sm
+    from dos.adam import cpu_split_step_
+
+    hi, lo = sm.split(_fill(torch.empty(n), 0.02, 6))
+    m16, v16 = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    out.append(Impl("dos-bf16-split", 18, lambda t: cpu_split_step_(
+        hi, lo, m16, v16, g16, None, lo_i=0, hi_i=n, step=_next(), threads=t, **HP)))
     return out
 
 
@@ -223,7 +232,7 @@ def append_rows(path: Path, rows: List[dict]) -> None:
 
 def run(threads: List[int], params: int, sweep: str, reps: int, out: Path) -> List[dict]:
     """Measure every thread count; rows are appended after each (a killed run keeps them)."""
-    need = params * (12 + 2 + 4 + 8 + 6 + 8) + 3 * 4 * min(params, STREAM_ELEMS)
+    need = params * (12 + 2 + 4 + 8 + 6 + 8 + 8 + 4) + 3 * 4 * min(params, STREAM_ELEMS)
     avail = psutil.virtual_memory().available
     if need > 0.9 * avail:
         raise MemoryError(f"needs {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
