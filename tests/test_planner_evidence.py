@@ -283,6 +283,29 @@ def test_repeat_check_breaks_a_tie_towards_the_slowest_choice(tmp_path):
     assert chk.verdict == "MISS"
 
 
+def test_repeat_check_grades_each_shapes_latest_pair_of_complete_batches(tmp_path):
+    """Each batch is compared with the shape's previous complete batch on another machine; only
+    the latest complete pair is graded (the method as it stands), the earlier ones are reported."""
+    _write(tmp_path / "a", "planner-3b", kept="k=6", batch="B1", boot="boot-a", hour=10)  # k=6: +15%
+    _write(tmp_path / "b", "planner-3b", kept="k=2", batch="B2", boot="boot-b", hour=12)
+    _write(tmp_path / "c", "planner-3b", kept="k=2", batch="B3", boot="boot-c", hour=14)
+    chk = pe.planner_repeat_check(pe.planner_runs([tmp_path / x for x in "abc"]))
+    assert list(zip(chk["first_batch"], chk["second_batch"])) == [("B1", "B2"), ("B2", "B3")]
+    assert list(chk["verdict"]) == ["MISS", "PASS"] and list(chk["graded"]) == [False, True]
+    assert chk.verdict == "PASS"
+    # a later pair that disagrees is graded: an earlier agreement does not carry the verdict
+    _write(tmp_path / "d", "planner-3b", kept="k=6", batch="B4", boot="boot-d", hour=16)
+    chk = pe.planner_repeat_check(pe.planner_runs([tmp_path / x for x in "abcd"]))
+    assert list(chk["graded"]) == [False, False, True] and chk.verdict == "MISS"
+    assert (chk["second_batch"].iloc[-1], chk["first_batch"].iloc[-1]) == ("B4", "B3")
+    # a batch cut short after it: reported against the last complete one, not graded
+    _write(tmp_path / "e", "planner-3b", kept="k=2", batch="B5", boot="boot-e", hour=18, skip=("k=6",))
+    chk = pe.planner_repeat_check(pe.planner_runs([tmp_path / x for x in "abcde"]))
+    last = chk.iloc[-1]
+    assert (last["first_batch"], last["second_batch"], last["graded"]) == ("B4", "B5", False)
+    assert chk.graded["second_batch"].tolist() == ["B4"] and chk.verdict == "MISS"
+
+
 # ---------------------------------------------------------------- figure 14
 
 def test_planner_figure_with_and_without_rows(tmp_path):
