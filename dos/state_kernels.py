@@ -197,6 +197,73 @@ if triton is not None:
         tl.store(s_ptr + nb + b, s_v)
 
 
+    @triton.jit(do_not_specialize=["n"])
+    def _split_kernel(h_ptr, l_ptr, m_ptr, v_ptr, g_ptr, out_ptr, scale_ptr, n,
+                      wdf, w, wm1, beta2, omb2, step_size, bc2s, eps,
+                      HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, SMALL_W: tl.constexpr,
+                      HAS_OUT: tl.constexpr, EVEN: tl.constexpr, BLOCK: tl.constexpr):
+        # The split master (dos/split_master.py) with bf16 moments: h_ptr/l_ptr/out_ptr are int16
+        # views (hi's bf16 bits, lo, the weights' bf16 bits); join, _adam_math, split.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if EVEN:
+            mask = None
+        else:
+            mask = offs < n
+        h = tl.load(h_ptr + offs, mask=mask).to(tl.int32) & 0xFFFF
+        lo = tl.load(l_ptr + offs, mask=mask).to(tl.int32)
+        u = ((h & 0x8000) << 16) | (((h & 0x7FFF) << 16) + lo)
+        p = u.to(tl.float32, bitcast=True)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+        p, m, v = _adam_math(p, g, m, v, scale_ptr, wdf, w, wm1, beta2, omb2, step_size, bc2s,
+                             eps, HAS_SCALE, HAS_WD, SMALL_W)
+        tl.store(m_ptr + offs, _bf16_rne(m), mask=mask)
+        tl.store(v_ptr + offs, _bf16_rne(v), mask=mask)
+        u = p.to(tl.int32, bitcast=True)
+        sgn = (u >> 16) & 0x8000
+        a = u & 0x7FFFFFFF
+        nan = a > 0x7F800000
+        ha = ((a + 0x8000) >> 16) & 0xFFFF  # a NaN lane's overflow is replaced below
+        h = tl.where(nan, sgn | 0x7FC0, sgn | ha)
+        lo = tl.where(nan, 0, a - (ha << 16))
+        h16 = (((h & 0xFFFF) ^ 0x8000) - 0x8000).to(tl.int16)
+        tl.store(h_ptr + offs, h16, mask=mask)
+        tl.store(l_ptr + offs, lo.to(tl.int16), mask=mask)
+        if HAS_OUT:
+            tl.store(out_ptr + offs, h16, mask=mask)
+
+
+def fused_split_step_(hi: torch.Tensor, lo: torch.Tensor, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor], *,
+                      lo_i: int, hi_i: int, step: int, lr: float, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, scale_t: Optional[torch.Tensor]) -> None:
+    """The accelerator lane's update of [lo_i, hi_i) of a split master (hi bf16, lo int16) with
+    bf16 moments, in one kernel: `split_master.reference_step_` to the bit. `out` (bf16 or None)
+    also receives the weights, which are `hi`. Not yet called by the engine (§3.7)."""
+    if hi.dtype != torch.bfloat16 or lo.dtype != torch.int16:
+        raise TypeError(f"the split master is hi bf16 and lo int16, got {hi.dtype} and {lo.dtype}")
+    if out is not None and out.dtype != torch.bfloat16:
+        raise TypeError(f"out receives hi: bf16, got {out.dtype}")
+    n = hi.numel()
+    if not 0 <= lo_i <= hi_i <= n:
+        raise ValueError(f"need 0 <= lo <= hi <= {n}, got [{lo_i}, {hi_i})")
+    if lo_i == hi_i:
+        return
+    consts, flags = _constants(step, lr, beta1, beta2, eps, weight_decay)
+    h16 = hi.view(torch.int16)
+    scale = scale_t if scale_t is not None else exp_avg  # any pointer: not read
+    opts = dict(HAS_SCALE=scale_t is not None, HAS_OUT=out is not None, **flags)
+    if not _interpreting():
+        opts["enable_fp_fusion"] = False
+    B = 2048
+    for a, b, even in launches_bf16(lo_i, hi_i, B):
+        o = out.view(torch.int16)[a:b] if out is not None else h16[a:b]
+        _split_kernel[(triton.cdiv(b - a, B),)](
+            h16[a:b], lo[a:b], exp_avg[a:b], exp_avg_sq[a:b], grad[a:b], o, scale, b - a,
+            **consts, EVEN=even, BLOCK=B, num_warps=8, **opts)
+
+
 def _f32(x: float) -> float:
     """x rounded once to fp32 (as state_format._f32), returned as a Python float."""
     return float(torch.tensor(x, dtype=torch.float32))

@@ -261,3 +261,38 @@ def test_launches_cover_the_range_once_and_mask_only_partial_blocks(block):
                     assert count == 1
             assert blocks == list(range(lo // block, -(-hi // block)))
             assert sum(not f for *_, f in plan) <= 2
+
+
+# ---- the split master (dos/split_master.py) ----------------------------------------------------
+
+@pytest.mark.parametrize("gdt", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", (1, 2049, 5003))
+def test_fused_split_step_is_the_reference_bitwise(device, n, gdt):
+    """The split-master kernel against `split_master.reference_step_` (on the CPU): hi, lo, the
+    moments and the weights out, every bit (a NaN as a NaN), over whole and partial ranges."""
+    from dos import split_master as sm
+    from dos import state_kernels
+    gen = torch.Generator().manual_seed(n)
+    master = torch.randn(n, generator=gen)
+    if n > 4:
+        master[:3] = torch.tensor([1.0 + 2.0 ** -8, -(1.0 + 3 * 2.0 ** -8), -0.0])  # ties, -0
+    ref = [*sm.split(master), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)]
+    ker = [t.clone().to(device) for t in ref]
+    for i, (lo, hi) in enumerate([(0, n), (n // 3, n - n // 5), (0, n)]):
+        step, lr, wd, scale = STEPS[i]
+        g = torch.randn(n, generator=gen)
+        if n > 8:
+            g[7] = float("inf")
+        g = g.to(gdt)
+        ko = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=device)
+        ro = ko.cpu().clone()
+        state_kernels.fused_split_step_(*ker, g.to(device), ko, lo_i=lo, hi_i=hi, step=step, lr=lr,
+                                        beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
+                                        scale_t=None if scale == 1.0 else torch.tensor(scale, device=device))
+        sm.reference_step_(*ref, g.clone(), lo_i=lo, hi_i=hi, step=step, lr=lr, beta1=0.9, beta2=0.999,
+                           eps=1e-8, weight_decay=wd, grad_scale=scale, out=ro)
+        assert same(sm.join(ker[0].cpu(), ker[1].cpu()), sm.join(ref[0], ref[1]))
+        for a, b in zip(ker[2:] + [ko], ref[2:] + [ro]):
+            assert same(a, b)
+        ok = ~sm.join(ref[0], ref[1]).isnan()
+        assert torch.equal(ker[0].cpu().view(torch.int16)[ok], ref[0].view(torch.int16)[ok])
