@@ -89,7 +89,7 @@ def cpu_adamw_(master, exp_avg, exp_avg_sq, grad, out, *, step, lr, beta1, beta2
 def cpu_state_step_(fmt, views, grad, out, *, lo: int, hi: int, step, lr, beta1, beta2, eps,
                     weight_decay, grad_scale=1.0, threads: Optional[int] = None) -> None:
     """The CPU lane's update of elements [lo, hi) of one subgroup in any state format
-    (dos/state_format.py: 'fp32' | 'bf16' | 'int8', or a StateFormat).
+    (dos/state_format.py: 'fp32' | 'bf16' | 'int8' | 'bf16-split', or a StateFormat).
 
     `views`: the subgroup's `StateViews`; `grad`/`out` whole-subgroup tensors as in `cpu_adamw_`
     (`out` None, `grad` itself, or another tensor; it receives the weights [lo, hi)).
@@ -99,9 +99,14 @@ def cpu_state_step_(fmt, views, grad, out, *, lo: int, hi: int, step, lr, beta1,
     from dos import state_format as sf
 
     fmt = sf.state_format(fmt)
-    n = views.master.numel()
+    n = views.numel
     if not 0 <= lo <= hi <= n:
         raise ValueError(f"need 0 <= lo <= hi <= {n}, got [{lo}, {hi})")
+    if fmt.split:  # the weights are views.hi; `out` (bf16 or None) gets a copy
+        cpu_split_step_(views.hi, views.lo, views.exp_avg, views.exp_avg_sq, grad, out, lo_i=lo,
+                        hi_i=hi, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                        weight_decay=weight_decay, grad_scale=grad_scale, threads=threads)
+        return
     if fmt.name == "fp32":
         cpu_adamw_(views.master[lo:hi], views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi],
                    grad[lo:hi], None if out is None else out[lo:hi], step=step, lr=lr, beta1=beta1,
@@ -124,7 +129,7 @@ def cpu_split_step_(hi, lo, exp_avg, exp_avg_sq, grad, out, *, lo_i: int, hi_i: 
     """The CPU lane's update of elements [lo_i, hi_i) of a split master (dos/split_master.py: hi
     bf16, lo int16) with bf16 moments; `out` (None, `grad` itself or another bf16 tensor) also
     receives the weights, which are `hi`. `torch.ops.dos.adamw_split_`, or without the extension
-    the plain-torch `split_master.reference_step_`. Not yet a state format of the engine."""
+    the plain-torch `split_master.reference_step_`. The engine's `state_dtype="bf16-split"`."""
     from dos import split_master as sm
 
     ops = _csrc.ops()
@@ -174,13 +179,18 @@ def device_state_step_(fmt, views, grad: torch.Tensor, out: Optional[torch.Tenso
     from dos import state_kernels
 
     name = sf.state_format(fmt).name
-    if name != "fp32" and state_kernels.available(views.master):
+    if name == "bf16-split" and state_kernels.available(views.exp_avg):
+        state_kernels.fused_split_step_(views.hi, views.lo, views.exp_avg, views.exp_avg_sq, grad, out,
+                                        lo_i=lo, hi_i=hi, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                                        eps=eps, weight_decay=weight_decay, scale_t=scale_t)
+        return
+    if name not in ("fp32", "bf16-split") and state_kernels.available(views.exp_avg):
         state_kernels.fused_step_(name, views, grad, out, lo=lo, hi=hi, step=step, lr=lr,
                                   beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                   scale_t=scale_t)
         return
-    need = 0 if name == "fp32" and grad.dtype == torch.float32 else sf.scratch_numel(name, views.master.numel())
+    need = 0 if name == "fp32" and grad.dtype == torch.float32 else sf.scratch_numel(name, views.numel)
     if scratch.numel() < need:  # sized for the fused kernels (none): this call's own, stream-ordered
-        scratch = torch.empty(need, dtype=torch.float32, device=views.master.device)
+        scratch = torch.empty(need, dtype=torch.float32, device=views.exp_avg.device)
     sf.device_step_(fmt, views, grad, out, lo=lo, hi=hi, step_t=step_t, lr=lr, beta1=beta1,
                     beta2=beta2, eps=eps, weight_decay=weight_decay, scale_t=scale_t, scratch=scratch)

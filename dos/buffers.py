@@ -21,7 +21,7 @@ import torch
 from . import state_kernels
 from .partition import Layout
 from .plan import RESIDENT
-from .state_format import StateFormat, scratch_numel
+from .state_format import StateFormat, scratch_numel, set_master_
 
 PAGE = 4096
 
@@ -306,7 +306,7 @@ class DeviceBuffers:
         master seeded from its weights on the device (resident-first: no host copy ever made)."""
         n = layout.subgroups[s].numel
         state = torch.zeros(self.fmt.nbytes(n), dtype=torch.uint8, device=self.scratch.device)
-        self.fmt.views(state, n).master.copy_(self.param(layout, s))
+        set_master_(self.fmt, self.fmt.views(state, n), self.param(layout, s))
         self.resident[s] = state
         self._need_scratch(n)
 

@@ -163,7 +163,7 @@ class CpuProblem:
         """One subgroup's AdamW -> (elements, start, end) on the host clock."""
         s = self.layout.subgroups[self.next]
         self.next = (self.next + 1) % len(self.layout.subgroups)
-        master, m, v, _ = self.arena.fmt.views(self.arena.state[s.index], s.numel)
+        master, m, v = self.arena.fmt.views(self.arena.state[s.index], s.numel)[:3]
         g = self.arena.grad[s.index]
         t0 = time.perf_counter()
         adam.cpu_adamw_(master, m, v, g, g, step=1, grad_scale=1.0, threads=threads, **HYPER)

@@ -12,7 +12,8 @@ across parameter boundaries, so each parameter's entry holds them decoded (fp32 
 and `["dos"]["int8"]` holds every subgroup's codes and scales with a fingerprint of the layout: an
 optimizer of the same layout loads those bytes (a bitwise resume); any other re-encodes the fp32
 values. Loading into another format converts (bf16 rounds to nearest even; int8 re-quantizes) and
-warns once.
+warns once; bf16 and bf16-split share their moments and both masters are exact fp32 (bf16-split's
+is joined from hi:lo, a copy rather than a view of the live state): no conversion, no warning.
 
 DTensor (FSDP2) parameters: each tensor is a DTensor sharded as its parameter, over this rank's
 local shard (`opt.binding.like`), so `torch.distributed.checkpoint` saves and loads it sharded and
@@ -33,7 +34,8 @@ import torch
 
 from . import surface
 from .partition import ParamSlot
-from .state_format import decode, encode_
+from . import split_master
+from .state_format import decode, encode_, set_master_
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -56,7 +58,9 @@ def _pieces(opt, slot: ParamSlot, kind: int, decoded: Optional[dict] = None) -> 
     out = []
     for s, a, n in _segments(opt, slot):
         views = opt.state_views(s)
-        if kind and opt.state_format.quantized:
+        if kind == 0 and opt.state_format.split:  # hi:lo joined: a copy, not the live state
+            out.append(split_master.join(views.hi[a: a + n], views.lo[a: a + n]))
+        elif kind and opt.state_format.quantized:
             if decoded is None:
                 decoded = {}
             if s not in decoded:
@@ -202,7 +206,8 @@ def load_state_dict(opt, sd: dict) -> None:
     state = {_key(k): v for k, v in sd["state"].items()}
     opt.wait_host_state()
     fmt, saved = opt.state_format, _saved_dtype(sd, state)
-    if saved != fmt.name:
+    same_moments = {saved, fmt.name} <= {"bf16", "bf16-split"}  # the same bf16 moments, exact fp32 masters
+    if saved != fmt.name and not same_moments:
         warnings.warn(f"dos: loading optimizer state saved with {saved} moments into state_dtype="
                       f"'{fmt.name}': the moments are converted"
                       + (" (rounded to bf16)" if fmt.name == "bf16" else
@@ -234,6 +239,11 @@ def load_state_dict(opt, sd: dict) -> None:
             if k and raw:
                 continue  # the codes and scales are loaded as saved, below
             flat, at = opt.binding.local_of(p, src).reshape(-1), 0
+            if k == 0 and fmt.split:  # the master goes into hi:lo (exactly)
+                for s, a, n in _segments(opt, slot):
+                    set_master_(fmt, opt.state_views(s), flat[at: at + n], lo=a)
+                    at += n
+                continue
             for piece in _pieces(opt, slot, k, decoded):
                 piece.copy_(flat[at: at + piece.numel()])
                 at += piece.numel()

@@ -74,8 +74,11 @@ class EngineConfig:
     non-final micro-batches' backward inside `opt.accumulate()`."""
     state_dtype: str = "fp32"
     """Storage of the Adam moments (dos/state_format.py): "fp32" (torch.optim.AdamW exactly), "bf16"
-    (round-to-nearest-even) or "int8" (block-wise quantized, 2048-element blocks with an fp32
-    scale each). The master weights and the math stay fp32 in every format."""
+    (round-to-nearest-even), "int8" (block-wise quantized, 2048-element blocks with an fp32
+    scale each) or "bf16-split" (bf16 moments, and the fp32 master stored as its bf16 weight and
+    a 16-bit remainder, dos/split_master.py: 2 B per element less host traffic on the CPU lane;
+    bf16 parameters only; the weights round half away from zero at exact ties, the master is
+    exact). The master weights and the math stay fp32 in every format."""
     grad_ring: Optional[int] = None
     """Host gradient slots shared by the CPU-lane subgroups (K >= 2), instead of one per subgroup:
     the host then holds only the state (and K subgroups' gradients), not 2 more bytes per

@@ -23,7 +23,7 @@ from .lanes import Hyper, Lanes
 from .partition import ParamSlot, partition
 from .plan import STAGED
 from .planner import Planner
-from .state_format import StateViews, state_format
+from .state_format import StateViews, set_master_, state_format
 from .streams import make_sync
 from .trace import Timeline
 
@@ -69,6 +69,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                  for ps in trainable], cfg.subgroup_numel)
         self._params = {slot: trainable[slot.group][slot.index] for slot in self.layout.slots()}
         dtypes = [trainable[b.slots[0].group][b.slots[0].index].dtype for b in self.layout.buckets]
+        fmt.check_param_dtypes(dtypes)
         self.planner = planner = Planner(cfg, self.layout, dtypes[0].itemsize, device,
                                          local_ranks=binding.local_ranks())
         blocks, nbytes = arena_blocks(self.layout, planner.plan.lanes, [d.itemsize for d in dtypes], fmt,
@@ -127,10 +128,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _seed_master(self) -> None:
         """The fp32 master weights from the flat parameter buffers (the binding filled them);
         resident-first: at the first step, once the resident share is known (Planner.materialize)."""
-        if self.planner.deferred_host:
-            return
-        for sg in self.layout.subgroups:
-            self.state_views(sg.index).master.copy_(self._dev.param(self.layout, sg.index))
+        for sg in ([] if self.planner.deferred_host else self.layout.subgroups):
+            set_master_(self.state_format, self.state_views(sg.index), self._dev.param(self.layout, sg.index))
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_ready", False):

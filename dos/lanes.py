@@ -137,11 +137,15 @@ class Lanes:
         t0 = time.perf_counter()
         views = self.dev.fmt.views(self.host.state[s], sg.numel)
         g = self.host.grad[s]
+        # bf16-split: the state holds the weights (hi, dos/split_master.py); they go up from there
+        # and nothing is written over the gradient (2 B per element less host traffic)
+        src = views.hi if self.dev.fmt.split else None
         for lo, hi, step in self.segments(s, h.step):  # per-parameter steps (dos.params)
             if step is None:  # no gradient this step: untouched; its weights go up unchanged
-                g[lo:hi].copy_(views.master[lo:hi])
+                if src is None:
+                    g[lo:hi].copy_(views.master[lo:hi])
                 continue
-            adam.cpu_state_step_(self.dev.fmt, views, g, g, lo=lo, hi=hi, step=step, lr=h.lr,
+            adam.cpu_state_step_(self.dev.fmt, views, g, g if src is None else None, lo=lo, hi=hi, step=step, lr=h.lr,
                                  beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                                  grad_scale=scale, threads=max(1, self.plan.cpu_threads - spare))
         span = ("cpu", s, sg.numel, t0, time.perf_counter())
@@ -149,9 +153,11 @@ class Lanes:
             self.tl.host(*span)
         elif self.tl.enabled:
             spans.append(span)
-        # The weights went over the gradient in the host block: upload them from there.
+        # The weights went over the gradient in the host block (bf16-split: they are the state's
+        # hi): upload them from there. hi's next write is this subgroup's next update, after the
+        # next backward, which the upload precedes (upload->forward).
         with self.tl.stage("upload", lane="upload", subgroup=s, numel=sg.numel, sink=spans) as up:
-            self.dev.param(self.layout, s).copy_(g, non_blocking=True)
+            self.dev.param(self.layout, s).copy_(g if src is None else src, non_blocking=True)
         return up.event  # the upload's (a gradient ring's next D2H into this slot waits for it)
 
     def keep_slots(self, n: int) -> None:

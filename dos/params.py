@@ -53,6 +53,7 @@ import torch
 
 from .partition import Layout, ParamSlot, subgroups_of
 from .plan import CPU
+from .state_format import set_master_
 
 
 def alias(flat: torch.Tensor, shape) -> torch.Tensor:
@@ -291,8 +292,8 @@ class ParamTracker(StepCounts):
                 sg = self.layout.subgroups[s]
                 lo, hi = max(slot.offset, sg.start), min(slot.offset + slot.numel, sg.stop)
                 state = self.dev.resident[s] if s in self.dev.resident else self.host.state[s]
-                master = self.dev.fmt.views(state, sg.numel).master
-                master[lo - sg.start: hi - sg.start].copy_(src[lo - slot.offset: hi - slot.offset])
+                set_master_(self.dev.fmt, self.dev.fmt.views(state, sg.numel),
+                            src[lo - slot.offset: hi - slot.offset], lo=lo - sg.start)
             self.pver[slot] = p._version
             self.resynced_params += 1
 

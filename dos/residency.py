@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .buffers import HostMemoryError, preflight
-from .state_format import state_format
+from .state_format import set_master_, state_format
 
 
 class Residency:
@@ -63,5 +63,5 @@ class Residency:
         if self._pin and host.blocks:
             host.pin()
         for s in host.blocks:
-            dev.fmt.views(host.state[s], layout.subgroups[s].numel).master.copy_(dev.param(layout, s))
+            set_master_(dev.fmt, dev.fmt.views(host.state[s], layout.subgroups[s].numel), dev.param(layout, s))
         grads.send_early = True

@@ -19,8 +19,9 @@ exact ties, by one bf16 ulp; the master itself is exact. Magnitudes from the lar
 plus half an ulp round to inf, as under RNE; inf splits to (inf, 0); a NaN master splits to the
 quiet NaN 0x7FC0 (with its sign) and lo 0 — it joins to a NaN, not to its own payload.
 
-Not yet wired into the engine (no state format selects it): this module is the codec and the
-plain-torch reference the kernels will be checked against.
+The engine's `state_dtype="bf16-split"` (dos/state_format.py) uses it; this module is the codec
+and the plain-torch reference its kernels (csrc `adamw_split_`, state_kernels.fused_split_step_)
+are checked against.
 """
 from __future__ import annotations
 

@@ -57,18 +57,24 @@ from typing import NamedTuple, Optional
 
 import torch
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_DTYPES = ("fp32", "bf16", "int8", "bf16-split")
 BLOCK = 2048
 _QM2 = 16129.0  # 127^2
 _MOMENT_DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
-                  "int8": (torch.int8, torch.uint8)}
+                  "int8": (torch.int8, torch.uint8), "bf16-split": (torch.bfloat16, torch.bfloat16)}
 
 
 class StateViews(NamedTuple):
-    master: torch.Tensor
+    master: Optional[torch.Tensor]  # fp32; None for bf16-split (its master is hi:lo)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     scales: Optional[torch.Tensor]  # int8 only: fp32 [s_m of each block..., s_v of each block...]
+    hi: Optional[torch.Tensor] = None  # bf16-split only: the weights (bf16), dos/split_master.py
+    lo: Optional[torch.Tensor] = None  # bf16-split only: int16
+
+    @property
+    def numel(self) -> int:
+        return self.exp_avg.numel()
 
 
 def nblocks(n: int) -> int:
@@ -93,11 +99,24 @@ class StateFormat:
         return self.name == "int8"
 
     @property
+    def split(self) -> bool:
+        """The master stored as (hi, lo) (dos/split_master.py): bf16 moments, weights = hi."""
+        return self.name == "bf16-split"
+
+    @property
     def bytes_per_element(self) -> float:
-        return {"fp32": 12.0, "bf16": 8.0, "int8": 6.0 + 8.0 / BLOCK}[self.name]
+        return {"fp32": 12.0, "bf16": 8.0, "int8": 6.0 + 8.0 / BLOCK, "bf16-split": 8.0}[self.name]
+
+    def check_param_dtypes(self, dtypes) -> None:
+        """ValueError unless the parameters' dtypes suit the format (bf16-split: bf16 only)."""
+        if self.split and any(d != torch.bfloat16 for d in dtypes):
+            raise ValueError(f"state_dtype='bf16-split' stores the master as its bf16 weights and a "
+                             f"remainder: every trainable parameter must be bfloat16, got "
+                             f"{sorted({str(d) for d in dtypes})} (use state_dtype='bf16')")
 
     def offsets(self, n: int) -> tuple[int, int, int, Optional[int]]:
-        """Byte offsets of master, exp_avg, exp_avg_sq and scales (None unless int8)."""
+        """Byte offsets of master (bf16-split: hi, then lo at 2 n), exp_avg, exp_avg_sq and
+        scales (None unless int8)."""
         es = self.moment_dtypes[0].itemsize
         m, v = 4 * n, 4 * n + es * n
         return 0, m, v, ((v + es * n + 3) // 4 * 4 if self.quantized else None)
@@ -116,6 +135,9 @@ class StateFormat:
         p, m, v, s = self.offsets(n)
         md, vd = self.moment_dtypes
         sl = lambda off, dt, k: buf[off: off + dt.itemsize * k].view(dt)  # noqa: E731
+        if self.split:
+            return StateViews(None, sl(m, md, n), sl(v, vd, n), None,
+                              sl(p, torch.bfloat16, n), sl(p + 2 * n, torch.int16, n))
         return StateViews(sl(p, torch.float32, n), sl(m, md, n), sl(v, vd, n),
                           sl(s, torch.float32, 2 * nblocks(n)) if s is not None else None)
 
@@ -128,7 +150,36 @@ def state_format(name) -> StateFormat:
 def scratch_numel(fmt, n: int) -> int:
     """fp32 elements of `device_step_`'s scratch for any [lo, hi) of an n-element subgroup."""
     fmt = state_format(fmt)
-    return {"fp32": n, "bf16": 3 * n}.get(fmt.name, 3 * nblocks(n) * BLOCK)
+    return {"fp32": n, "bf16": 3 * n, "bf16-split": 4 * n}.get(fmt.name, 3 * nblocks(n) * BLOCK)
+
+
+def set_master_(fmt, views: StateViews, x: torch.Tensor, lo: int = 0) -> None:
+    """Writes the master of elements [lo, lo + numel(x)) from `x` (weights, any float dtype);
+    bf16-split: hi, lo = split_master.split(x) (a bf16 weight splits to (itself, 0) exactly)."""
+    fmt, hi = state_format(fmt), lo + x.numel()
+    if fmt.split:
+        from dos import split_master as sm
+
+        h, l = sm.split(x.reshape(-1).float())
+        views.hi[lo:hi].copy_(h)
+        views.lo[lo:hi].copy_(l)
+    else:
+        views.master[lo:hi].copy_(x.reshape(-1))
+
+
+def master_fp32(fmt, views: StateViews) -> torch.Tensor:
+    """The whole subgroup's fp32 master: the view itself, or (bf16-split) a new joined tensor."""
+    fmt = state_format(fmt)
+    if fmt.split:
+        from dos import split_master as sm
+
+        return sm.join(views.hi, views.lo)
+    return views.master
+
+
+def weights(fmt, views: StateViews) -> Optional[torch.Tensor]:
+    """The state's own copy of the weights (bf16-split: hi), else None (the lanes write them out)."""
+    return views.hi if state_format(fmt).split else None
 
 
 # ---- int8 codecs (whole blocks; tensors on any device; no host sync) -------------------------
@@ -176,7 +227,7 @@ def decode(fmt, views: StateViews, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = state_format(fmt)
     if not fmt.quantized:
         return views.exp_avg[:n].float().clone(), views.exp_avg_sq[:n].float().clone()
-    dev, k = views.master.device, nblocks(n)
+    dev, k = views.exp_avg.device, nblocks(n)
     m, v = torch.empty(k * BLOCK, device=dev), torch.empty(k * BLOCK, device=dev)
     _decode_blocks(views, n, 0, k, m, v)
     return m[:n], v[:n]
@@ -185,7 +236,7 @@ def decode(fmt, views: StateViews, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def encode_(fmt, views: StateViews, m32: torch.Tensor, v32: torch.Tensor) -> None:
     """Stores fp32 moments (the whole subgroup) in `views`' format."""
     fmt = state_format(fmt)
-    n = views.master.numel()
+    n = views.numel
     if not fmt.quantized:
         views.exp_avg.copy_(m32)
         views.exp_avg_sq.copy_(v32)
@@ -230,7 +281,7 @@ def _math_(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
 
 def _range(fmt, views: StateViews, lo: int, hi: int):
     """(the StateFormat, the subgroup's elements); ValueError unless 0 <= lo <= hi <= n."""
-    n = views.master.numel()
+    n = views.numel
     if not 0 <= lo <= hi <= n:
         raise ValueError(f"need 0 <= lo <= hi <= {n}, got [{lo}, {hi})")
     return state_format(fmt), n
@@ -249,6 +300,12 @@ def reference_step_(fmt, views: StateViews, grad: torch.Tensor, out: Optional[to
         return
     hp = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
               grad_scale=grad_scale)
+    if fmt.split:  # weights = hi; `out` (bf16) gets a copy
+        from dos import split_master as sm
+
+        sm.reference_step_(views.hi, views.lo, views.exp_avg, views.exp_avg_sq, grad, lo_i=lo,
+                           hi_i=hi, out=out, **hp)
+        return
     p = views.master[lo:hi]
     g = grad[lo:hi].float()
     if not fmt.quantized:
@@ -282,7 +339,13 @@ def device_step_(fmt, views: StateViews, grad: torch.Tensor, out: Optional[torch
     fmt, n = _range(fmt, views, lo, hi)
     if lo == hi:
         return
-    L, p = hi - lo, views.master[lo:hi]
+    L = hi - lo
+    if fmt.split:
+        _device_split_step_(views, grad, out, lo=lo, hi=hi, step_t=step_t, lr=lr, beta1=beta1,
+                            beta2=beta2, eps=eps, weight_decay=weight_decay, scale_t=scale_t,
+                            scratch=scratch)
+        return
+    p = views.master[lo:hi]
     if fmt.name == "fp32":
         m, v, rest = views.exp_avg[lo:hi], views.exp_avg_sq[lo:hi], scratch
     elif fmt.name == "bf16":
@@ -308,3 +371,28 @@ def device_step_(fmt, views: StateViews, grad: torch.Tensor, out: Optional[torch
         _encode_blocks(views, n, b0, b1, mp, vp)
     if out is not None and out.data_ptr() != views.master.data_ptr():
         out[lo:hi].copy_(p)
+
+
+def _device_split_step_(views: StateViews, grad, out, *, lo, hi, step_t, lr, beta1, beta2, eps,
+                        weight_decay, scale_t, scratch) -> None:
+    """bf16-split with torch ops: join into scratch, torch's fused AdamW, split back (4 L of
+    scratch: master, moments, gradient)."""
+    from dos import split_master as sm
+
+    L = hi - lo
+    p = scratch[:L].copy_(sm.join(views.hi[lo:hi], views.lo[lo:hi]))
+    m = scratch[L: 2 * L].copy_(views.exp_avg[lo:hi])
+    v = scratch[2 * L: 3 * L].copy_(views.exp_avg_sq[lo:hi])
+    g = grad[lo:hi]
+    if g.dtype != torch.float32:
+        g = scratch[3 * L: 4 * L].copy_(g)
+    torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+                        grad_scale=scale_t, found_inf=None)
+    views.exp_avg[lo:hi].copy_(m)
+    views.exp_avg_sq[lo:hi].copy_(v)
+    h, l = sm.split(p)
+    views.hi[lo:hi].copy_(h)
+    views.lo[lo:hi].copy_(l)
+    if out is not None:
+        out[lo:hi].copy_(views.hi[lo:hi])

@@ -240,7 +240,7 @@ def fused_split_step_(hi: torch.Tensor, lo: torch.Tensor, exp_avg: torch.Tensor,
                       eps: float, weight_decay: float, scale_t: Optional[torch.Tensor]) -> None:
     """The accelerator lane's update of [lo_i, hi_i) of a split master (hi bf16, lo int16) with
     bf16 moments, in one kernel: `split_master.reference_step_` to the bit. `out` (bf16 or None)
-    also receives the weights, which are `hi`. Not yet called by the engine (§3.7)."""
+    also receives the weights, which are `hi` (the GPU lanes' update for state_dtype="bf16-split")."""
     if hi.dtype != torch.bfloat16 or lo.dtype != torch.int16:
         raise TypeError(f"the split master is hi bf16 and lo int16, got {hi.dtype} and {lo.dtype}")
     if out is not None and out.dtype != torch.bfloat16:

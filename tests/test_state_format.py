@@ -99,12 +99,20 @@ def assert_out(out, master, lo, hi):
 @pytest.mark.parametrize("n", SIZES + (0, 2 * 2048 + 1))
 def test_layout_sizes_offsets_alignment(n):
     nb = -(-n // sf.BLOCK)
-    want = {"fp32": 12 * n, "bf16": 8 * n, "int8": (6 * n + 3) // 4 * 4 + 8 * nb}
+    want = {"fp32": 12 * n, "bf16": 8 * n, "int8": (6 * n + 3) // 4 * 4 + 8 * nb, "bf16-split": 8 * n}
     for name in sf.STATE_DTYPES:
         f = sf.state_format(name)
         assert f.nbytes(n) == want[name]
         buf = torch.arange(f.nbytes(n) + 5, dtype=torch.int64).to(torch.uint8)
         v = f.views(buf, n)
+        if f.split:  # hi bf16 | lo int16 | exp_avg | exp_avg_sq
+            assert v.master is None and v.scales is None and v.numel == n
+            assert (v.hi.dtype, v.lo.dtype, v.exp_avg.dtype, v.exp_avg_sq.dtype) == (
+                torch.bfloat16, torch.int16, torch.bfloat16, torch.bfloat16)
+            if n:
+                base = buf.data_ptr()
+                assert [t.data_ptr() - base for t in (v.hi, v.lo, v.exp_avg, v.exp_avg_sq)] == [0, 2 * n, 4 * n, 6 * n]
+            continue
         assert (v.master.dtype, v.exp_avg.dtype, v.exp_avg_sq.dtype) == (torch.float32,) + f.moment_dtypes
         assert [t.numel() for t in v[:3]] == [n, n, n]
         if n == 0:
@@ -129,15 +137,16 @@ def test_layout_sizes_offsets_alignment(n):
 
 
 def test_format_api():
-    assert sf.STATE_DTYPES == ("fp32", "bf16", "int8") and sf.BLOCK == 2048
-    assert [sf.state_format(x).bytes_per_element for x in sf.STATE_DTYPES] == [12, 8, 6 + 8 / 2048]
+    assert sf.STATE_DTYPES == ("fp32", "bf16", "int8", "bf16-split") and sf.BLOCK == 2048
+    assert [sf.state_format(x).bytes_per_element for x in sf.STATE_DTYPES] == [12, 8, 6 + 8 / 2048, 8]
     assert sf.state_format("int8").moment_dtypes == (torch.int8, torch.uint8)
     assert sf.state_format(sf.state_format("bf16")) == sf.StateFormat("bf16")
-    with pytest.raises(ValueError, match="fp32, bf16, int8"):
+    with pytest.raises(ValueError, match="fp32, bf16, int8, bf16-split"):
         sf.state_format("fp8")
     with pytest.raises(ValueError):
         sf.state_format("bf16").views(torch.zeros(10, dtype=torch.uint8), 2)
     assert sf.scratch_numel("int8", 2049) >= 3 * 2 * 2048 and sf.scratch_numel("bf16", 5) == 15
+    assert sf.scratch_numel("bf16-split", 5) == 20 and sf.state_format("bf16-split").split
 
 
 def test_codec_roundtrip_and_zero_state():

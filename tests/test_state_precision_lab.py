@@ -152,6 +152,20 @@ def test_state_dtype_speed_check(bf16_step, ds_iter, verdict):
         checks.state_dtype_speed_check(pd.DataFrame())
 
 
+def test_state_dtype_speed_check_grades_bf16_split_where_a_batch_has_it():
+    """bf16 moments in two formats: a batch with bf16-split rows grades them (bf16 reported)."""
+    d = _speed(0.8)  # bf16 1.25x: a MISS alone
+    extra = d[d["state_dtype"].eq("bf16")].assign(state_dtype="bf16-split", step_s=lambda x: x["step_s"] * 0.85,
+                                                   iter_s=lambda x: x["iter_s"] * 0.9)
+    chk = checks.state_dtype_speed_check(pd.concat([d, extra], ignore_index=True))
+    upd = chk[chk["metric"].eq("step_s")].set_index(["key", "state_dtype"])
+    assert upd.loc[("dos-cpu", "bf16-split"), "graded"] and not upd.loc[("dos-cpu", "bf16"), "graded"]
+    assert upd.loc[("dos-cpu", "bf16-split"), "value"] == pytest.approx(1 / 0.68)
+    assert upd.loc[("dos-cpu", "bf16"), "verdict"] == "MISS" and chk.verdict == "PASS"
+    assert set(chk[chk["metric"].eq("iter_s")]["state_dtype"]) == {"bf16-split"}
+    assert checks.state_dtype_speed_check(d).verdict == "MISS"  # without it: bf16 graded
+
+
 # ---------------------------------------------------------------- criterion 4
 
 def _capacity(int8_status="ok", bf16_status="oom", fp32_steps=20):

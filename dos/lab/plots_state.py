@@ -10,7 +10,8 @@ import pandas as pd
 from dos.lab import checks, results as R
 from dos.lab.plots import ORDER, PALETTE, caption, empty, figure, label
 
-DTYPE_STYLE = {"fp32": ("-", None, 1.0), "bf16": ("--", "//", 0.75), "int8": (":", "xx", 0.5)}
+DTYPE_STYLE = {"fp32": ("-", None, 1.0), "bf16": ("--", "//", 0.75), "int8": (":", "xx", 0.5),
+               "bf16-split": ("-.", "..", 0.6)}
 """Per optimizer-state precision: line style, bar hatch, bar alpha (the colour stays the system's)."""
 STATE_PRECISION_MISSING = "no records yet: run\nexperiments/sweeps/\n{}\non the H200"
 

@@ -22,7 +22,7 @@ RESIDENT_GPU_SHARE = 0.95  # of the GPU, and
 RESIDENT_ACT_GIB = 4.0     # GiB of activations, for the preflight's resident-first estimate
 MEMORY_REASON = "host memory preflight"  # how a skipped row for want of host memory begins
 
-DOS_STATE_BPP = {"fp32": 14.0, "bf16": 10.0, "int8": 8.0 + 8 / 2048}
+DOS_STATE_BPP = {"fp32": 14.0, "bf16": 10.0, "int8": 8.0 + 8 / 2048, "bf16-split": 10.0}
 """dos's host bytes per non-resident parameter by moment format (RunSpec.moments): fp32 master, the
 two moments (4 + 4, 2 + 2, or 1 + 1 with two fp32 scales per 2048-element block) and the bf16
 gradient slot (dos.state_format)."""

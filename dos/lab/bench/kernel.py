@@ -25,7 +25,7 @@ CPU lane with `state_dtype`, measured apart from the lanes and copies: issue 17,
 dos-bf16-noweight moves exactly the bytes of a *split master* (docs/DESIGN.md §3.7: the master
 stored as its bf16 weight `hi` and a 16-bit `lo`, so writing the master writes the weight): the
 measured bound of that lever on this host's CPU lane — its weights are wrong; dos-bf16-split is the
-split master's own kernel, dos/split_master.py, not yet an engine state format.)
+split master's own kernel, dos/split_master.py: the engine's state_dtype="bf16-split".)
 stream-copy (b -> a) counts 8 B, stream-triad (a = b + 3c) 12 B and stream-add-inplace (a += b, the
 kernels' read-modify-write pattern, no write-allocate) 12 B per element.
 """

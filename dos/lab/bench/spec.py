@@ -34,7 +34,7 @@ MULTI_GPU = {"dos"}
 """Systems other than DeepSpeed's that run with gpus > 1 (dos through FSDP2)."""
 PLACEMENTS = ("cpu", "static", "interleaved", "gpu")
 DATA = ("synthetic", "stdlib")
-MOMENTS = ("fp32", "bf16", "int8")
+MOMENTS = ("fp32", "bf16", "int8", "bf16-split")
 """dos's moment formats (dos.state_format.STATE_DTYPES; not imported here: this module stays light)."""
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -85,8 +85,9 @@ class RunSpec:
     (K >= 2; None: one per subgroup): 2 B less host memory per parameter (issue 17, criterion 5)."""
     moments: Optional[str] = None
     """dos: how the AdamW moments are stored, `DeepOptimizerStates(state_dtype=...)` (issue 17):
-    "fp32", "bf16" (round to nearest even) or "int8" (block-quantized, 2048-element blocks); the
-    master weights and the math stay fp32. None: the engine's default (fp32). Named `moments`, not
+    "fp32", "bf16" (round to nearest even), "int8" (block-quantized, 2048-element blocks) or
+    "bf16-split" (bf16 moments, the master as its bf16 weight and a remainder); the master weights
+    and the math stay fp32. None: the engine's default (fp32). Named `moments`, not
     `state_dtype`, beside the method `state_dtype()` (what the row's `state_dtype` column says)."""
     cpu_schedule: Optional[str] = None
     """dos: how the CPU kernel's threads share a call, DOS_CSRC_SCHEDULE: "dynamic" chunks (None:
