@@ -177,10 +177,6 @@ def master_fp32(fmt, views: StateViews) -> torch.Tensor:
     return views.master
 
 
-def weights(fmt, views: StateViews) -> Optional[torch.Tensor]:
-    """The state's own copy of the weights (bf16-split: hi), else None (the lanes write them out)."""
-    return views.hi if state_format(fmt).split else None
-
 
 # ---- int8 codecs (whole blocks; tensors on any device; no host sync) -------------------------
 

@@ -13,13 +13,14 @@ import dos
 from dos import split_master as sm
 from dos import state_format as sf
 from helpers import CLIENT_IDS, CLIENT_PLACEMENTS, DEVICES
-from test_state_dtype import HP, SG, batches, max_diff, model, train
+from test_state_dtype import HP, SG, Reference, batches, max_diff, model, train
 
 FMT = "bf16-split"
 
 
-class SplitReference:
-    """Plain torch: split_master.reference_step_ over dos's subgroups of one flat bf16 bucket."""
+class SplitReference(Reference):
+    """Plain torch: split_master.reference_step_ over dos's subgroups of one flat bf16 bucket (the
+    layout of test_state_dtype's Reference)."""
 
     def __init__(self, params, opt):
         self.params = list(params)
@@ -27,17 +28,10 @@ class SplitReference:
         self.places = [(slot.offset, slot.numel) for slot in sorted(opt.param_slots(), key=lambda s: s.index)]
         self.size = opt.layout.buckets[0].numel
         self.bounds = [(sg.start, sg.stop) for sg in opt.layout.subgroups]
-        flat = self._flat([p.detach().float() for p in self.params])
-        self.hi, self.lo = sm.split(flat)
+        self.hi, self.lo = sm.split(self._flat([p.detach().float() for p in self.params]))
         self.m = torch.zeros(self.size, dtype=torch.bfloat16)
         self.v = torch.zeros(self.size, dtype=torch.bfloat16)
         self.step_n = 0
-
-    def _flat(self, tensors):
-        flat = torch.zeros(self.size, dtype=tensors[0].dtype)
-        for (off, n), t in zip(self.places, tensors):
-            flat[off: off + n] = t.reshape(-1).cpu()
-        return flat
 
     def masters(self):
         return sm.join(self.hi, self.lo)
@@ -52,10 +46,6 @@ class SplitReference:
                                beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"])
         for (off, n), p in zip(self.places, self.params):
             p.copy_(self.hi[off: off + n].view(p.shape))
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
 
 
 def dos_masters(opt):
