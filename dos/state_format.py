@@ -6,9 +6,10 @@ A subgroup of n parameters keeps one byte buffer `[master | exp_avg | exp_avg_sq
     fp32    fp32    fp32             fp32              -                               12 n
     bf16    fp32    bfloat16         bfloat16          -                                8 n
     int8    fp32    int8 (codes)     uint8 (codes)     fp32 [s_m per block | s_v ...]   6 n (to 4) + 8 ceil(n/BLOCK)
+    bf16-split  hi bf16 + lo int16  bfloat16  bfloat16  -       8 n  (the master is hi:lo, dos/split_master.py)
 
-The master is always fp32 and the math is always fp32. One update of element i (the order of
-torch's fused AdamW, as csrc/adamw_body.inc `math`; constants computed in double, rounded once
+The master is always fp32 (bf16-split: exactly, as hi:lo) and the math is always fp32. One
+update of element i (the order of torch's fused AdamW, as csrc/adamw_body.inc `math`; constants computed in double, rounded once
 to fp32; `*` `/` `+` `-` `sqrt` are single correctly rounded fp32 operations, no FMA here):
 
     m, v  = decode(stored moments)                                  (fp32)
@@ -175,7 +176,6 @@ def master_fp32(fmt, views: StateViews) -> torch.Tensor:
 
         return sm.join(views.hi, views.lo)
     return views.master
-
 
 
 # ---- int8 codecs (whole blocks; tensors on any device; no host sync) -------------------------
