@@ -8,6 +8,7 @@ each output once:
 
     bf16: grad (2, its dtype), master 4 + 4, exp_avg 2 + 2, exp_avg_sq 2 + 2, weights out (2) = 20 B
     int8: grad 2, master 8, codes 2 + 2, weights 2, scales 16/BLOCK                             = 16 B
+    bf16-split: grad 2, hi 2 + 2, lo 2 + 2, exp_avg 2 + 2, exp_avg_sq 2 + 2, weights out (2)    = 20 B
 
 The arithmetic is `state_format`'s documented order, op for op: no FMA contraction
 (`enable_fp_fusion=False`), correctly rounded division and sqrt (`div_rn`, `sqrt_rn`), constants
