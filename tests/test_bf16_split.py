@@ -2,7 +2,8 @@
 with the fp32 master stored as its bf16 weight `hi` and an int16 remainder, so the CPU lane writes
 no separate weights and uploads `hi`. Against the plain-torch reference of the same algorithm over
 the same subgroups, every placement (CPU and GPU lanes, resident, staged); the weights are the
-state's `hi`; resume is bitwise; bf16 and bf16-split state_dicts load into each other exactly."""
+state's `hi`; resume is bitwise; bf16 and bf16-split state_dicts load into each other exactly. Weights loaded in place re-seed it
+as the fp32 master's (tests/test_clients.py, parametrized over both)."""
 import copy
 import warnings
 
@@ -136,25 +137,3 @@ def test_bf16_and_split_state_dicts_load_exactly_without_a_warning(src, dst):
             assert x.dtype == y.dtype and torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x, 
                                                       y.view(torch.int16) if y.dtype == torch.bfloat16 else y), kind
     train(b, opt2, data[5:])
-
-
-def test_weights_loaded_in_place_reseed_the_split_master():
-    """model.load_state_dict between steps (dos.params resync): the master becomes the loaded
-    bf16 value exactly (hi = the weight, lo = 0), in every subgroup a parameter spans."""
-    from test_clients import backward, make_model
-
-    m = make_model("odd", dtype=torch.bfloat16)
-    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=97, placement="interleaved", stride=2,
-                                  state_dtype=FMT)
-    for step in range(3):
-        opt.zero_grad()
-        backward(m, step)
-        opt.step()
-    new = make_model("odd", dtype=torch.bfloat16, seed=3)
-    m.load_state_dict(new.state_dict())
-    opt.zero_grad()
-    opt.step()  # no gradients: nothing moves, but the master is re-seeded
-    assert opt.describe()["clients"]["resynced_params"] > 0
-    for i, p in enumerate(m.parameters()):
-        assert torch.equal(opt.state_dict()["state"][i]["master"], p.detach().float())
-        assert torch.equal(p.detach(), list(new.parameters())[i].detach())

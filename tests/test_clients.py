@@ -194,10 +194,14 @@ def test_weights_loaded_in_place_between_steps(placement):
     assert pairs[0][1].describe()["clients"]["resynced_params"] == 6
 
 
-def test_bf16_weights_loaded_in_place_take_the_bf16_value():
-    """For bf16 parameters the re-seeded master is the bf16 value (its fp32 bits are lost)."""
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16-split"])
+def test_bf16_weights_loaded_in_place_take_the_bf16_value(state_dtype):
+    """For bf16 parameters the re-seeded master is the bf16 value (its fp32 bits are lost); with
+    the split master (dos/split_master.py) that is hi = the weight, lo = 0, in every subgroup a
+    parameter spans."""
     m = make_model("odd", dtype=torch.bfloat16)
-    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=97, placement="interleaved", stride=2)
+    opt = dos.DeepOptimizerStates(m.parameters(), subgroup_numel=97, placement="interleaved", stride=2,
+                                  state_dtype=state_dtype)
     for step in range(3):
         opt.zero_grad()
         backward(m, step)
@@ -206,8 +210,10 @@ def test_bf16_weights_loaded_in_place_take_the_bf16_value():
     m.load_state_dict(new.state_dict())
     opt.zero_grad()
     opt.step()  # no gradients: nothing moves, but the master is re-seeded
+    assert opt.describe()["clients"]["resynced_params"] > 0
     for i, p in enumerate(m.parameters()):
         torch.testing.assert_close(opt.state_dict()["state"][i]["master"], p.detach().float(), atol=0, rtol=0)
+        assert torch.equal(p.detach(), list(new.parameters())[i].detach())
         assert torch.equal(p.detach(), list(new.parameters())[i].detach())
 
 
