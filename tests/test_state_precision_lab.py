@@ -166,6 +166,35 @@ def test_state_dtype_speed_check_grades_bf16_split_where_a_batch_has_it():
     assert checks.state_dtype_speed_check(d).verdict == "MISS"  # without it: bf16 graded
 
 
+def test_state_dtype_speed_criterion_grades_each_models_latest_complete_batch():
+    """Criterion 3 as one verdict: per model the latest batch with every part (>= 3 runs each) is
+    graded; an older complete batch is superseded, a later incomplete one reported beside it."""
+    old = _speed(0.8, batch="b1").assign(timestamp="2026-12-01T10:00:00")            # complete, 1.25x MISS
+    new = _speed(0.7, batch="b2").assign(timestamp="2026-12-02T10:00:00")            # complete, PASS
+    part = _speed(0.9, batch="b3").assign(timestamp="2026-12-03T10:00:00")
+    part = part[~part["key"].eq("torchao-cpu-offload")]                              # incomplete, later
+    five = pd.concat([_speed(0.7, batch=f"c{i}", runs=r).assign(model="5B", timestamp=f"2026-12-0{i}T10")
+                      for i, r in ((1, 3), (2, 2))], ignore_index=True)              # latest has 2 runs
+    chk = checks.state_dtype_speed_criterion(pd.concat([old, new, part, five], ignore_index=True))
+    graded = chk.graded
+    assert set(graded[graded["model"].eq("3B")]["batch_id"]) == {"b2"}
+    assert set(graded[graded["model"].eq("5B")]["batch_id"]) == {"c1"}
+    assert chk.verdict == "PASS", chk.summary()
+    role = chk.drop_duplicates("batch_id").set_index("batch_id")["role"]
+    assert role["b1"].startswith("reported: superseded by the later complete batch b2")
+    assert "incomplete" in role["b3"] and "torchao-cpu-offload" in role["b3"]
+    assert "incomplete" in role["c2"]
+    # the old complete batch alone: graded, and its miss is the verdict
+    assert checks.state_dtype_speed_criterion(pd.concat([old, part], ignore_index=True),
+                                              models=("3B",)).verdict == "MISS"
+    # a model without a complete batch: a graded MISS row saying so
+    lone = checks.state_dtype_speed_criterion(pd.concat([new, five[five["batch_id"].eq("c2")]], ignore_index=True))
+    miss = lone[lone["model"].eq("5B") & lone["graded"]]
+    assert len(miss) == 1 and miss["role"].iloc[0] == "graded: no complete batch" and lone.verdict == "MISS"
+    with pytest.raises(ValueError):
+        checks.state_dtype_speed_criterion(pd.DataFrame())
+
+
 # ---------------------------------------------------------------- criterion 4
 
 def _capacity(int8_status="ok", bf16_status="oom", fp32_steps=20):

@@ -360,5 +360,5 @@ def gpu_scaling_check(df: pd.DataFrame, model: str = "7B", keys: Sequence[str] =
 # issue 17's checks live in dos/lab/state_checks.py; notebooks and tests reach them here too
 from dos.lab.state_checks import (  # noqa: E402,F401
     CAPACITY_CASES, CONVERGENCE_BAND_TOLERANCE, HOST_BYTES_TARGET, LOWP_BASELINES, NOMINAL_HOST_BYTES,
-    STATE_SPEED_TARGET, capacity_check, final_losses, host_bytes_check, state_dtype_convergence_check,
-    state_dtype_speed_check)
+    SPEED_MODELS, STATE_SPEED_TARGET, capacity_check, final_losses, host_bytes_check,
+    state_dtype_convergence_check, state_dtype_speed_check, state_dtype_speed_criterion)

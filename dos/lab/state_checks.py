@@ -157,6 +157,68 @@ def state_dtype_speed_check(df: pd.DataFrame, keys: Sequence[str] = ("dos-cpu", 
     return _check_table(out, ("batch_id", "model", "key", "comparison", "value"))
 
 
+SPEED_MODELS = ("3B", "5B")
+"""Issue 17, criterion 3's models: 3B and the ~5B shape (`5B` in the sweeps)."""
+
+
+def state_dtype_speed_criterion(df: pd.DataFrame, models: Sequence[str] = SPEED_MODELS,
+                                keys: Sequence[str] = ("dos-cpu", "dos-auto"),
+                                baselines: Sequence[str] = LOWP_BASELINES, target: float = STATE_SPEED_TARGET,
+                                min_runs: int = 3) -> CheckTable:
+    """Issue 17, criterion 3 as one verdict ("same batch, 3B and ~5B"): per model of `models`, the
+    rows of `state_dtype_speed_check` from the model's latest *complete* batch are graded, where
+    complete means the batch has every part of the criterion with >= `min_runs` runs on each
+    side: for each of `keys` the graded update-phase ratio, and the bf16-moment iteration against
+    each of `baselines`. Every other batch's rows are reported, not graded, with `role` saying
+    why (superseded by the later complete batch, or incomplete: which parts it lacks). A model
+    without a complete batch adds a MISS row saying so. Latest = the batch's last row timestamp
+    (else its batch_id, which starts with its UTC start). The rule was fixed before the batches it
+    grades ran (docs/DESIGN.md decision log, 2026-12-07): not chosen after seeing their numbers.
+    Raises on empty input."""
+    require_rows(df, "state_dtype_speed_criterion")
+    chk = state_dtype_speed_check(df, keys=keys, baselines=baselines, target=target, min_runs=min_runs,
+                                  models=models)
+    d = df[df["batch_id"].astype(str).ne("")]
+    when = (d.groupby("batch_id")["timestamp"].max().astype(str) if "timestamp" in d else
+            pd.Series({b: str(b) for b in d["batch_id"].unique()}))
+    need = [(k, "step_s", None) for k in keys] + [(k, "iter_s", b) for k in keys for b in baselines]
+    out = pd.DataFrame(chk).copy()
+    out["role"] = ""
+    out["graded"] = False
+    extra = []
+    for model in models:
+        m = out[out["model"].eq(model)] if len(out) else out
+        complete, lacking = [], {}
+        for batch, g in m.groupby("batch_id", sort=False):
+            g = g[chk.loc[g.index, "graded"].astype(bool)]
+            missing = []
+            for key, metric, base in need:
+                r = g[g["key"].eq(key) & g["metric"].eq(metric)]
+                if base is not None:
+                    r = r[r["reference"].eq(base)]
+                if not len(r) or not ((r["runs"] >= min_runs) & (r["reference_runs"] >= min_runs)).any():
+                    missing.append(f"{key} {'update' if base is None else 'vs ' + base}")
+            (lacking.__setitem__(batch, missing) if missing else complete.append(batch))
+        latest = max(complete, key=lambda b: (str(when.get(b, b)), str(b))) if complete else None
+        for batch in m["batch_id"].unique():
+            sel = out["model"].eq(model) & out["batch_id"].eq(batch)
+            if batch == latest:
+                out.loc[sel, "graded"] = chk.loc[sel, "graded"].astype(bool)
+                out.loc[sel, "role"] = "graded: the model's latest complete batch"
+            elif batch in lacking:
+                out.loc[sel, "role"] = "reported: incomplete batch (lacks " + ", ".join(lacking[batch]) + ")"
+            else:
+                out.loc[sel, "role"] = f"reported: superseded by the later complete batch {latest}"
+        if latest is None:
+            extra.append({"batch_id": "", "model": model, "key": "", "state_dtype": "", "metric": "",
+                          "comparison": "every part of criterion 3 in one batch", "value": math.nan,
+                          "graded": True, "role": "graded: no complete batch",
+                          "target": f"a batch with every part, >= {min_runs} runs each", "verdict": MISS})
+    if extra:
+        out = pd.concat([out, pd.DataFrame(extra)], ignore_index=True)
+    return CheckTable(out)
+
+
 CAPACITY_CASES = {"13B": ("fp32",), "20B": ("bf16", "int8")}
 """Issue 17, criterion 4: the model that must train with each set of moment formats (any one)."""
 
