@@ -198,7 +198,10 @@ def state_dtype_speed_criterion(df: pd.DataFrame, models: Sequence[str] = SPEED_
                     r = r[r["reference"].eq(base)]
                 if not len(r) or not ((r["runs"] >= min_runs) & (r["reference_runs"] >= min_runs)).any():
                     missing.append(f"{key} {'update' if base is None else 'vs ' + base}")
-            (lacking.__setitem__(batch, missing) if missing else complete.append(batch))
+            if missing:
+                lacking[batch] = missing
+            else:
+                complete.append(batch)
         latest = max(complete, key=lambda b: (str(when.get(b, b)), str(b))) if complete else None
         for batch in m["batch_id"].unique():
             sel = out["model"].eq(model) & out["batch_id"].eq(batch)
