@@ -2,8 +2,9 @@
 with the fp32 master stored as its bf16 weight `hi` and an int16 remainder, so the CPU lane writes
 no separate weights and uploads `hi`. Against the plain-torch reference of the same algorithm over
 the same subgroups, every placement (CPU and GPU lanes, resident, staged); the weights are the
-state's `hi`; resume is bitwise; bf16 and bf16-split state_dicts load into each other exactly. Weights loaded in place re-seed it
-as the fp32 master's (tests/test_clients.py, parametrized over both)."""
+state's `hi`; resume is bitwise; bf16 and bf16-split state_dicts load into each other exactly.
+Weights loaded in place re-seed it as the fp32 master's (tests/test_clients.py, parametrized over
+both)."""
 import copy
 import warnings
 

@@ -214,7 +214,6 @@ def test_bf16_weights_loaded_in_place_take_the_bf16_value(state_dtype):
     for i, p in enumerate(m.parameters()):
         torch.testing.assert_close(opt.state_dict()["state"][i]["master"], p.detach().float(), atol=0, rtol=0)
         assert torch.equal(p.detach(), list(new.parameters())[i].detach())
-        assert torch.equal(p.detach(), list(new.parameters())[i].detach())
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=IDS)

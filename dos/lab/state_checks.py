@@ -187,7 +187,7 @@ def state_dtype_speed_criterion(df: pd.DataFrame, models: Sequence[str] = SPEED_
     out["graded"] = False
     extra = []
     for model in models:
-        m = out[out["model"].eq(model)] if len(out) else out
+        m = out[out["model"].eq(model)]
         complete, lacking = [], {}
         for batch, g in m.groupby("batch_id", sort=False):
             g = g[chk.loc[g.index, "graded"].astype(bool)]
