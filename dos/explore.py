@@ -29,6 +29,12 @@ from .plan import Plan
 STEPS_PER = 1
 MAX_STEPS = 12      # steps one exploration may take (the schedule)
 N_BEST = 3          # the model's best plans tried, besides all-CPU and stride 2
+# The second stage's plans are at least this factor apart in staged share from each other and from
+# the staged plans tried (all-CPU aside): where the model's predictions are flat, its best plans
+# bunch — planner-deep-3.5b (s30) and planner-wide-4b (s32) ranked strides 16, 14, 12 within 0.1% of
+# each other, so stage 2 measured three near-all-CPU plans and kept stride 16, 10-11% slower than
+# the batch's best fixed stride (4 and 3), which it never tried (docs/DESIGN.md §9.6).
+SPREAD = 1.5
 EXPLORE_DRIFT = 0.2  # explore again once a refined rate moved this much since the last exploration
 COOLDOWN = 50       # ... but not within this many steps of the last one
 SETTLE = 5          # steps of the kept plan before the reference rates for drift are taken
@@ -107,12 +113,34 @@ def anchors(plan: Plan, calib: Calibration, **kw) -> List[Tuple[Plan, float]]:
 
 
 def refined(ex: "Explorer", plan: Plan, calib: Calibration, n_best: int = N_BEST,
-            **kw) -> List[Tuple[Plan, float]]:
-    """An exploration's second stage: the `n_best` plans the model ranks best under `calib` (the
-    rates fitted in situ on the anchors' steps) that `ex` has not tried, fastest predicted first."""
+            spread: float = SPREAD, **kw) -> List[Tuple[Plan, float]]:
+    """An exploration's second stage: `n_best` plans the model ranks best under `calib` (the rates
+    fitted in situ on the anchors' steps) that `ex` has not tried, fastest predicted first. Taken
+    down the ranking, a plan whose staged share is within a factor `spread` of one taken or tried
+    (all-CPU aside) waits: those fill the places left only when no farther plan remains. The
+    model's best is always taken; the others cover the range instead of its neighbours, which it
+    cannot tell apart where its predictions are flat (`SPREAD`)."""
     tried = {key(p) for p, _ in ex.candidates}
-    ranked = candidates(plan, calib, n_best=n_best + len(tried), with_plan=False, **kw)
-    return [(p, s) for p, s in ranked if key(p) not in tried][:n_best]
+    ranked = [(p, s) for p, s in candidates(plan, calib, n_best=10**6, with_plan=False, **kw)
+              if key(p) not in tried]
+    taken_shares = [p.share("staged") for p, _ in ex.candidates if p.share("staged") > 0]
+
+    def apart(p: Plan) -> bool:
+        s = p.share("staged")
+        return s == 0 or all(max(s, q) / min(s, q) >= spread for q in taken_shares)
+
+    chosen, waiting = [], []
+    for p, s in ranked:
+        if len(chosen) >= n_best:
+            break
+        if not chosen or apart(p):  # the model's best, then the plans apart from those taken
+            chosen.append((p, s))
+            if p.share("staged") > 0:
+                taken_shares.append(p.share("staged"))
+        else:
+            waiting.append((p, s))
+    chosen += waiting[:n_best - len(chosen)]
+    return sorted(chosen, key=lambda e: (e[1], -e[0].cpu_threads))
 
 
 @dataclass

@@ -119,6 +119,37 @@ def test_two_stages_reach_the_optimum_that_an_offline_profile_hides():
     assert ex.length <= 12
 
 
+def test_the_second_stage_spreads_over_the_range_where_the_models_best_plans_bunch():
+    """planner-wide-4b (s32) and planner-deep-3.5b (s30): under the rates fitted on the anchors the
+    model ranked strides 16, 14, 12 within 0.1% of each other; stage 2 measured only those and kept
+    stride 16, 10% slower than the best fixed stride (3), never tried. Here (a CPU rated 1.6x
+    fast, as in the offline profile above) the ranking bunches the same way: the second stage takes
+    the model's best, then plans at least `SPREAD` apart in staged share from it and from stride 2;
+    with a spread of 1 (the old rule) it takes the bunch. Where nothing farther remains, the plans
+    that waited fill the places left."""
+    kw = dict(staging_slots=3, max_threads=16)
+    cur = build_plan((50_331_648,) * 67, resident=0, staged_share=Fraction(0), cpu_threads=16, staging_slots=3)
+    offline = _scaled(DESIGN_H200, cpu=1.6, pcie=0.7)
+    ex = explore.Explorer(explore.anchors(cur, offline, **kw), steps_per=1, max_steps=12)
+    bunched = explore.refined(ex, cur, offline, spread=1.0, **kw)
+    got = explore.refined(ex, cur, offline, **kw)
+    shares = lambda got: sorted(p.share("staged") for p, _ in got)  # noqa: E731
+    b = shares(bunched)
+    assert any(y / x < explore.SPREAD for x, y in zip(b, b[1:]))  # the bunch: strides 16, 13, 11
+    assert got[0] == bunched[0]  # the model's best is always taken
+    s = shares(got) + [0.5]  # stride 2, an anchor
+    assert len(got) == explore.N_BEST
+    assert all(b / a >= explore.SPREAD for a, b in zip(s, s[1:]))
+    assert [v for _, v in got] == sorted(v for _, v in got)
+    assert not {explore.key(p) for p, _ in got} & {explore.key(p) for p, _ in ex.candidates}
+    # 4 subgroups: shares 1/4, 1/2 (tried), 3/4, 1 only; after the best, none 1.5x apart remains
+    # from all of them: the waiting plans fill the places
+    small = build_plan((1000,) * 4, resident=0, staged_share=Fraction(0), cpu_threads=16, staging_slots=3)
+    ex4 = explore.Explorer(explore.anchors(small, offline, **kw), steps_per=1, max_steps=12)
+    assert len(explore.refined(ex4, small, offline, **kw)) == min(
+        explore.N_BEST, len(explore.refined(ex4, small, offline, spread=1.0, **kw)))
+
+
 def test_a_later_stage_is_scheduled_within_the_same_budget():
     anch = [(_plan(Fraction(1, 2)), 1.0), (_plan(Fraction(0)), 1.1)]
     ex = explore.Explorer(anch, steps_per=2, max_steps=7)
