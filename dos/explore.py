@@ -31,8 +31,8 @@ MAX_STEPS = 12      # steps one exploration may take (the schedule)
 N_BEST = 3          # the model's best plans tried, besides all-CPU and stride 2
 # The second stage's plans are at least this factor apart in staged share from each other and from
 # the staged plans tried (all-CPU aside): where the model's predictions are flat, its best plans
-# bunch — planner-deep-3.5b (s30) and planner-wide-4b (s32) ranked strides 16, 14, 12 within 0.1% of
-# each other, so stage 2 measured three near-all-CPU plans and kept stride 16, 10-11% slower than
+# bunch — planner-deep-3.5b (s30) and planner-wide-4b (s32) ranked strides 16, 14, 12 (or 11) within
+# 0.1% of each other, so stage 2 measured three near-all-CPU plans and kept stride 16, 10-11% slower than
 # the batch's best fixed stride (4 and 3), which it never tried (docs/DESIGN.md §9.6).
 SPREAD = 1.5
 EXPLORE_DRIFT = 0.2  # explore again once a refined rate moved this much since the last exploration
