@@ -132,6 +132,17 @@ struct V {
   static DOS_INLINE void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
   static DOS_INLINE F load_split(const uint16_t* h, const int16_t* l) { return split_join(*h, *l); }
   static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) { split_of(x, h, l); }
+  // Pairs (lowp_body.inc): 2W consecutive 16-bit values, here simply element 0 and element 1.
+  static DOS_INLINE void load_bf16_eo(const uint16_t* p, F& e, F& o) { e = load_bf16(p); o = load_bf16(p + 1); }
+  static DOS_INLINE void store_bf16_eo(uint16_t* p, F e, F o) { store_bf16(p, e); store_bf16(p + 1, o); }
+  static DOS_INLINE void load_split_eo(const uint16_t* h, const int16_t* l, F& e, F& o) {
+    e = load_split(h, l);
+    o = load_split(h + 1, l + 1);
+  }
+  static DOS_INLINE void store_split_eo(uint16_t* h, int16_t* l, F e, F o) {
+    store_split(h, l, e);
+    store_split(h + 1, l + 1, o);
+  }
   static DOS_INLINE F add(F a, F b) { return a + b; }
   static DOS_INLINE F sub(F a, F b) { return a - b; }
   static DOS_INLINE F mul(F a, F b) { return a * b; }
@@ -173,38 +184,100 @@ struct V {
     const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
   }
-  DOS_TGT static DOS_INLINE void store_bf16(uint16_t* p, F x) {
+  // bf16 bits of x (round to nearest even, NaN -> 0x7FC0) in the low half of each 32-bit lane
+  DOS_TGT static DOS_INLINE __m256i bf16_bits(F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
-                                             _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                                _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+  }
+  DOS_TGT static DOS_INLINE void store_bf16(uint16_t* p, F x) {
+    const __m256i r = bf16_bits(x);
     const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
   DOS_TGT static DOS_INLINE F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // The split master from `top` (the hi bits in the top half of each lane; the low half is
+  // ignored) and `lv` (lo, sign-extended): as split_join.
+  DOS_TGT static DOS_INLINE F join_top(__m256i top, __m256i lv) {
+    const __m256i s = _mm256_and_si256(top, _mm256_set1_epi32(int(0x80000000u)));
+    const __m256i a = _mm256_add_epi32(_mm256_and_si256(top, _mm256_set1_epi32(0x7FFF0000)), lv);
+    return _mm256_castsi256_ps(_mm256_or_si256(s, a));
+  }
   DOS_TGT static DOS_INLINE F load_split(const uint16_t* h, const int16_t* l) {
     const __m256i hv = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
     const __m256i lv = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(l)));
-    const __m256i s = _mm256_slli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x8000)), 16);
-    const __m256i a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x7FFF)), 16), lv);
-    return _mm256_castsi256_ps(_mm256_or_si256(s, a));
+    return join_top(_mm256_slli_epi32(hv, 16), lv);
   }
-  DOS_TGT static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) {
+  // As split_of: hv = the hi bits (low half of each lane), lv = lo (sign-extended, 0 for NaN).
+  DOS_TGT static DOS_INLINE void split_bits(F x, __m256i& hv, __m256i& lv) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i s = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
     const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
     const __m256i ha = _mm256_srli_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x8000)), 16);
     const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
-    const __m256i hv = _mm256_blendv_epi8(_mm256_or_si256(s, ha), _mm256_or_si256(s, _mm256_set1_epi32(0x7FC0)), nan);
-    const __m256i lv = _mm256_andnot_si256(nan, _mm256_sub_epi32(a, _mm256_slli_epi32(ha, 16)));
+    hv = _mm256_blendv_epi8(_mm256_or_si256(s, ha), _mm256_or_si256(s, _mm256_set1_epi32(0x7FC0)), nan);
+    lv = _mm256_andnot_si256(nan, _mm256_sub_epi32(a, _mm256_slli_epi32(ha, 16)));
+  }
+  DOS_TGT static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) {
+    __m256i hv, lv;
+    split_bits(x, hv, lv);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(h),
                      _mm_packus_epi32(_mm256_castsi256_si128(hv), _mm256_extracti128_si256(hv, 1)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(l),
                      _mm_packs_epi32(_mm256_castsi256_si128(lv), _mm256_extracti128_si256(lv, 1)));
+  }
+  // Pairs (lowp_body.inc): 2W consecutive 16-bit values, even elements in `e` and odd ones in
+  // `o`, by shifts and masks within 32-bit lanes: no widening or narrowing shuffles.
+  DOS_TGT static DOS_INLINE void load_bf16_eo(const uint16_t* p, F& e, F& o) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    e = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+    o = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xFFFF0000u))));
+  }
+  DOS_TGT static DOS_INLINE void store_bf16_eo(uint16_t* p, F e, F o) {
+    // as the AVX-512 one: even elements' bits end in the low halves, odd ones' in the top halves
+    const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o), one = _mm256_set1_epi32(1);
+    const __m256i bias = _mm256_set1_epi32(0x7FFF);
+    __m256i re = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(ue, bias), _mm256_and_si256(_mm256_srli_epi32(ue, 16), one)), 16);
+    __m256i ro = _mm256_and_si256(
+        _mm256_add_epi32(_mm256_add_epi32(uo, bias), _mm256_and_si256(_mm256_srli_epi32(uo, 16), one)),
+        _mm256_set1_epi32(int(0xFFFF0000u)));
+    const __m256 ne = _mm256_cmp_ps(e, e, _CMP_UNORD_Q), no = _mm256_cmp_ps(o, o, _CMP_UNORD_Q);
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_or_ps(ne, no)) != 0, 0)) {  // NaN -> 0x7FC0
+      re = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(re), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), ne));
+      ro = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ro), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), no));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_or_si256(re, ro));
+  }
+  DOS_TGT static DOS_INLINE void load_split_eo(const uint16_t* h, const int16_t* l, F& e, F& o) {
+    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+    const __m256i lv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+    e = join_top(_mm256_slli_epi32(hv, 16), _mm256_srai_epi32(_mm256_slli_epi32(lv, 16), 16));
+    o = join_top(hv, _mm256_srai_epi32(lv, 16));
+  }
+  // split_of in place, as the AVX-512 one
+  DOS_TGT static DOS_INLINE void store_split_eo(uint16_t* h, int16_t* l, F e, F o) {
+    const __m256i ue = _mm256_castps_si256(e), uo = _mm256_castps_si256(o);
+    const __m256i mag = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i half = _mm256_set1_epi32(0x8000);
+    const __m256i ne = _mm256_cmpgt_epi32(_mm256_and_si256(ue, mag), inf);
+    const __m256i no = _mm256_cmpgt_epi32(_mm256_and_si256(uo, mag), inf);
+    __m256i he = _mm256_srli_epi32(_mm256_add_epi32(ue, half), 16);
+    __m256i ho = _mm256_and_si256(_mm256_add_epi32(uo, half), _mm256_set1_epi32(int(0xFFFF0000u)));
+    if (__builtin_expect(!_mm256_testz_si256(_mm256_or_si256(ne, no), _mm256_or_si256(ne, no)), 0)) {
+      const __m256i q = _mm256_set1_epi32(0x7FC0);
+      he = _mm256_blendv_epi8(he, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(ue, 16), half), q), ne);
+      ho = _mm256_blendv_epi8(ho, _mm256_slli_epi32(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(uo, 16), half), q), 16), no);
+    }
+    const __m256i le = _mm256_andnot_si256(ne, _mm256_and_si256(ue, _mm256_set1_epi32(0xFFFF)));
+    const __m256i lo = _mm256_andnot_si256(no, _mm256_slli_epi32(uo, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), _mm256_or_si256(he, ho));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l), _mm256_or_si256(le, lo));
   }
   DOS_TGT static DOS_INLINE void store_f16(uint16_t* p, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
@@ -272,33 +345,98 @@ struct V {
     const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
   }
-  DOS_TGT static DOS_INLINE void store_bf16(uint16_t* p, F x) {
+  // bf16 bits of x (round to nearest even, NaN -> 0x7FC0) in the low half of each 32-bit lane
+  DOS_TGT static DOS_INLINE __m512i bf16_bits(F x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  }
+  DOS_TGT static DOS_INLINE void store_bf16(uint16_t* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
   }
   DOS_TGT static DOS_INLINE F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  // The split master from `top` (the hi bits in the top half of each lane; the low half is
+  // ignored) and `lv` (lo, sign-extended): as split_join.
+  DOS_TGT static DOS_INLINE F join_top(__m512i top, __m512i lv) {
+    const __m512i s = _mm512_and_si512(top, _mm512_set1_epi32(int(0x80000000u)));
+    const __m512i a = _mm512_add_epi32(_mm512_and_si512(top, _mm512_set1_epi32(0x7FFF0000)), lv);
+    return _mm512_castsi512_ps(_mm512_or_si512(s, a));
+  }
   DOS_TGT static DOS_INLINE F load_split(const uint16_t* h, const int16_t* l) {
     const __m512i hv = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
     const __m512i lv = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(l)));
-    const __m512i s = _mm512_slli_epi32(_mm512_and_si512(hv, _mm512_set1_epi32(0x8000)), 16);
-    const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(hv, _mm512_set1_epi32(0x7FFF)), 16), lv);
-    return _mm512_castsi512_ps(_mm512_or_si512(s, a));
+    return join_top(_mm512_slli_epi32(hv, 16), lv);
   }
-  DOS_TGT static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) {
+  // As split_of: hv = the hi bits (low half of each lane), lv = lo (sign-extended, 0 for NaN).
+  DOS_TGT static DOS_INLINE void split_bits(F x, __m512i& hv, __m512i& lv) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i s = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
     const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
     const __m512i ha = _mm512_srli_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x8000)), 16);
     const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
-    const __m512i hv = _mm512_mask_blend_epi32(nan, _mm512_or_si512(s, ha), _mm512_or_si512(s, _mm512_set1_epi32(0x7FC0)));
-    const __m512i lv = _mm512_maskz_mov_epi32(_mm512_knot(nan), _mm512_sub_epi32(a, _mm512_slli_epi32(ha, 16)));
+    hv = _mm512_mask_blend_epi32(nan, _mm512_or_si512(s, ha), _mm512_or_si512(s, _mm512_set1_epi32(0x7FC0)));
+    lv = _mm512_maskz_mov_epi32(_mm512_knot(nan), _mm512_sub_epi32(a, _mm512_slli_epi32(ha, 16)));
+  }
+  DOS_TGT static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) {
+    __m512i hv, lv;
+    split_bits(x, hv, lv);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi32_epi16(hv));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi32_epi16(lv));
+  }
+  // Pairs (lowp_body.inc): 2W consecutive 16-bit values, even elements in `e` and odd ones in
+  // `o`, by shifts and masks within 32-bit lanes: no widening or narrowing shuffles (VPMOVZXWD,
+  // VPMOVDW: the shuffle port's work, five of them per 16 elements for the split master's four
+  // streams and the gradient; docs/DESIGN.md §3.7).
+  DOS_TGT static DOS_INLINE void load_bf16_eo(const uint16_t* p, F& e, F& o) {
+    const __m512i u = _mm512_loadu_si512(p);
+    e = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    o = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
+  DOS_TGT static DOS_INLINE void store_bf16_eo(uint16_t* p, F e, F o) {
+    // round to nearest even in place: the bf16 bits of the even elements end in the low halves
+    // (>> 16), those of the odd ones in the top halves (mask)
+    const __m512i ue = _mm512_castps_si512(e), uo = _mm512_castps_si512(o), one = _mm512_set1_epi32(1);
+    const __m512i bias = _mm512_set1_epi32(0x7FFF);
+    __m512i re = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(ue, bias), _mm512_and_si512(_mm512_srli_epi32(ue, 16), one)), 16);
+    __m512i ro = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(uo, bias), _mm512_and_si512(_mm512_srli_epi32(uo, 16), one)),
+        _mm512_set1_epi32(int(0xFFFF0000u)));
+    const __mmask16 ne = _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q), no = _mm512_cmp_ps_mask(o, o, _CMP_UNORD_Q);
+    if (__builtin_expect((ne | no) != 0, 0)) {  // NaN -> 0x7FC0
+      re = _mm512_mask_mov_epi32(re, ne, _mm512_set1_epi32(0x7FC0));
+      ro = _mm512_mask_mov_epi32(ro, no, _mm512_set1_epi32(0x7FC00000));
+    }
+    _mm512_storeu_si512(p, _mm512_or_si512(re, ro));
+  }
+  DOS_TGT static DOS_INLINE void load_split_eo(const uint16_t* h, const int16_t* l, F& e, F& o) {
+    const __m512i hv = _mm512_loadu_si512(h), lv = _mm512_loadu_si512(l);
+    e = join_top(_mm512_slli_epi32(hv, 16), _mm512_srai_epi32(_mm512_slli_epi32(lv, 16), 16));
+    o = join_top(hv, _mm512_srai_epi32(lv, 16));
+  }
+  // split_of in place: hi = (u + 0x8000) >> 16 rounds |x| half away from zero (the carry never
+  // reaches the sign bit: |x| <= inf), and lo is the low 16 bits of u (a - (ha << 16) has them and
+  // fits an int16); a NaN gives sign | 0x7FC0 and 0.
+  DOS_TGT static DOS_INLINE void store_split_eo(uint16_t* h, int16_t* l, F e, F o) {
+    const __m512i ue = _mm512_castps_si512(e), uo = _mm512_castps_si512(o);
+    const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const __m512i half = _mm512_set1_epi32(0x8000);
+    const __mmask16 ne = _mm512_cmpgt_epi32_mask(_mm512_and_si512(ue, mag), inf);
+    const __mmask16 no = _mm512_cmpgt_epi32_mask(_mm512_and_si512(uo, mag), inf);
+    __m512i he = _mm512_srli_epi32(_mm512_add_epi32(ue, half), 16);
+    __m512i ho = _mm512_and_si512(_mm512_add_epi32(uo, half), _mm512_set1_epi32(int(0xFFFF0000u)));
+    if (__builtin_expect((ne | no) != 0, 0)) {
+      const __m512i q = _mm512_set1_epi32(0x7FC0);
+      he = _mm512_mask_mov_epi32(he, ne, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(ue, 16), half), q));
+      ho = _mm512_mask_mov_epi32(ho, no, _mm512_slli_epi32(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(uo, 16), half), q), 16));
+    }
+    const __m512i le = _mm512_maskz_and_epi32(_mm512_knot(ne), ue, _mm512_set1_epi32(0xFFFF));
+    const __m512i lo = _mm512_maskz_slli_epi32(_mm512_knot(no), uo, 16);
+    _mm512_storeu_si512(h, _mm512_or_si512(he, ho));
+    _mm512_storeu_si512(l, _mm512_or_si512(le, lo));
   }
   DOS_TGT static DOS_INLINE void store_f16(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));

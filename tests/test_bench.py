@@ -534,3 +534,19 @@ def test_kernel_bench_times_every_state_format(tmp_path, monkeypatch):
         assert by[name]["median_s"] > 0
     with open(tmp_path / "kernel-probe" / "runs.csv") as f:
         assert {"dos-bf16", "dos-int8"} <= {r["impl"] for r in csv.DictReader(f)}
+
+
+def test_kernel_bench_runs_only_the_named_implementations(tmp_path, monkeypatch):
+    """`--impls`: rows for those and the STREAM references only, and no other implementation is
+    built (DeepSpeed's JIT build would fail this test)."""
+    from dos.lab.bench import kernel
+
+    def no_deepspeed(*a):
+        raise AssertionError("DeepSpeed built though not named")
+    monkeypatch.setattr(kernel, "deepspeed_impls", no_deepspeed)
+    rows = kernel.run([1], 6000, "kernel-only", 1, tmp_path, only=["dos", "dos-bf16-split"])
+    impls = {r["impl"] for r in rows}
+    assert impls == {"dos", "dos-bf16-split", "stream-copy", "stream-triad", "stream-add-inplace"}
+    assert all(r["status"] == "ok" for r in rows)
+    with pytest.raises(SystemExit):  # an unknown name is refused by the command line
+        kernel.main(["--sweep", "x", "--impls", "dos-fp8"])

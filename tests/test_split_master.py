@@ -164,6 +164,52 @@ def test_kernel_segments_leave_the_rest(csrc_ops, isa):
     assert not torch.equal(hi[17:4001].view(torch.int16), before[0][17:4001].view(torch.int16))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("first", [0, 1])
+def test_kernel_codec_round_trips_every_boundary_pattern(csrc_ops, isa, first):
+    """lr = 0 leaves each master as it was, so the kernel stores split(x) again: its codec
+    (pairs in even/odd lanes on the vector ISAs) is split/join bitwise on every top half with the
+    rounding-boundary low halves and 2^20 random patterns, NaNs and infinities among them; `first`
+    shifts each pattern into the other lane of its pair."""
+    need_isa(csrc_ops, isa)
+    u = _bits_grid()
+    x = torch.cat([torch.zeros(first, dtype=torch.int32), u]).view(torch.float32)
+    n = x.numel()
+    hi, lo = sm.split(x)
+    want_hi, want_lo = hi.clone(), lo.clone()
+    z = lambda: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    csrc_ops.adamw_split_(hi, lo, z(), z(), z(), None, first, n, 1, 0.0, 0.9, 0.999, 1e-8, 0.0, 1.0,
+                          2, isa)
+    assert torch.equal(hi.view(torch.int16), want_hi.view(torch.int16))
+    assert torch.equal(lo, want_lo)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("first", [0, 1])
+def test_kernel_moments_round_every_bf16_gradient_as_the_bf16_kernel(csrc_ops, isa, first):
+    """Every bf16 gradient bit pattern, in both lanes of a pair: with beta2 = 0 the new exp_avg_sq
+    is bf16(g * g) (every rounding case, ties, overflow to inf, NaN), and moments and master equal
+    the bf16-moment kernel's (adamw_lowp_, the widening codec) bitwise."""
+    need_isa(csrc_ops, isa)
+    g = torch.cat([torch.zeros(first, dtype=torch.int16),
+                   torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)]).view(torch.bfloat16)
+    n = g.numel()
+    hi, lo, m, v = _state(n, seed=7)
+    master = sm.join(hi, lo)
+    m2, v2 = m.clone(), v.clone()
+    for step in (1, 2):
+        g2 = g.clone()
+        csrc_ops.adamw_split_(hi, lo, m, v, g, None, 0, n, step, 1e-2, 0.5, 0.0, 1e-8, 0.01, 1.0, 2, isa)
+        csrc_ops.adamw_lowp_(master, m2, v2, None, g2, None, 0, n, step, 1e-2, 0.5, 0.0, 1e-8, 0.01,
+                             1.0, 1, isa)
+        _same_master(sm.join(hi, lo), master)
+        want_hi, want_lo = sm.split(master)  # and bitwise: a NaN (payloads from g) is sign | 0x7FC0, lo 0
+        assert torch.equal(hi.view(torch.int16), want_hi.view(torch.int16))
+        assert torch.equal(lo, want_lo)
+        assert torch.equal(m.view(torch.int16), m2.view(torch.int16))
+        assert torch.equal(v.view(torch.int16), v2.view(torch.int16))
+
+
 def test_kernel_rejects_bad_input(csrc_ops):
     n = 64
     hi, lo, m, v = _state(n)

@@ -58,7 +58,8 @@ export PYTHONPATH=$PWD:${DOS_SITE:-/tmp/site}
 touch /tmp/stamp
 { nvidia-smi -L; nproc; free -g; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
   cat /proc/sys/kernel/random/boot_id /sys/kernel/mm/transparent_hugepage/enabled
-  lscpu | grep -iE "model name|numa|socket|mhz"  # NUMA nodes: where a run's arena may land
+  # NUMA nodes: where a run's arena may land; threads per core: whether 16 CPUs are 8 cores
+  lscpu | grep -iE "model name|numa|socket|mhz|per core|^cpu\(s\)|flags" | cut -c1-400
   for i in 1 2; do python3 -c 'import sys, time; t = time.perf_counter(); import torch, transformers.models.llama.modeling_llama
 print("import torch+transformers", round(time.perf_counter() - t, 2), "s; dont_write_bytecode", sys.flags.dont_write_bytecode, "pycache_prefix", sys.pycache_prefix)'; done
 } > $OUT/machine.txt 2>&1

@@ -6,7 +6,9 @@ sha=$1
 rm -rf .ab/old && mkdir -p .ab/old
 git archive HEAD dos csrc pyproject.toml | tar -x -C .ab/old
 rm -f .ab/old/dos/*.py
-git archive "$sha" dos csrc | tar -x -C .ab/old --wildcards 'dos/*.py' 'csrc/*'
+# --no-wildcards-match-slash: 'dos/*.py' is the core's files only (GNU tar's * matches '/' by
+# default, and took the old commit's dos/lab too until session 33)
+git archive "$sha" dos csrc | tar -x -C .ab/old --wildcards --no-wildcards-match-slash 'dos/*.py' 'csrc/*'
 # the old core's lab modules (flat, before dos/lab/) are not used: the new lab drives both
 rm -rf .ab/old/dos/bench
 for f in sweep results figures plots plots_traces nvml cli; do rm -f .ab/old/dos/$f.py; done

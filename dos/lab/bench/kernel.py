@@ -1,6 +1,7 @@
 """CPU AdamW kernels side by side: dos's fused kernel vs DeepSpeedCPUAdam + cast vs torch fused + cast.
 
     python -m dos.lab.bench.kernel --threads 1 4 8 16 --params 400000000 --sweep kernel-h200 [--out DIR]
+        [--impls NAME ...]   (only these; default all)
 
 One process, one set of arrays (fp32 master and moments, a bf16 gradient that each implementation
 overwrites with the bf16 weights, as the engine's CPU lane does, and an fp32 gradient for
@@ -76,7 +77,9 @@ def _fill(t: torch.Tensor, std: float, seed: int) -> torch.Tensor:
     return t
 
 
-def make_impls(n: int) -> List[Impl]:
+def make_impls(n: int, only: Optional[List[str]] = None) -> List[Impl]:
+    """Every implementation, or those named in `only` (the others' state is never allocated)."""
+    want = (lambda name: True) if not only else (lambda name: name in only)
     master, m, v = _fill(torch.empty(n), 0.02, 0), torch.zeros(n), torch.zeros(n)
     g16 = _fill(torch.empty(n, dtype=torch.bfloat16), 1e-3, 1)  # gradient in, weights out
     g32 = _fill(torch.empty(n), 1e-3, 2)  # DeepSpeed's gradient (fp32 params, fp32 grads)
@@ -90,17 +93,19 @@ def make_impls(n: int) -> List[Impl]:
                             beta2=HP["beta2"], weight_decay=HP["weight_decay"], eps=HP["eps"],
                             amsgrad=False, maximize=False)
 
-    return [
+    ds = want("deepspeed+cast") or want("deepspeed-step")
+    impls = [
         Impl("dos", 28, lambda t: cpu_adamw_(master, m, v, g16, g16, step=_next(), threads=t, **HP),
              build_s=build_s),
-        *lowp_impls(n, g16),
+        *lowp_impls(n, g16, want),
         Impl("torch-fused+cast", 32, lambda t: torch_cpu_adamw_(master, m, v, g16, g16, step=_next(), **HP)),
-        *deepspeed_impls(master, m, v, g32, g16),
+        *(deepspeed_impls(master, m, v, g32, g16) if ds else []),
         Impl("torch-fused-step", 28, torch_step),
     ]
+    return [i for i in impls if want(i.name)]
 
 
-def lowp_impls(n: int, g16: torch.Tensor) -> List[Impl]:
+def lowp_impls(n: int, g16: torch.Tensor, want: Callable[[str], bool] = lambda name: True) -> List[Impl]:
     """dos's CPU kernel on bf16 and int8 moments (own state buffers, the shared bf16 gradient)."""
     from dos import state_format as sf
     from dos.adam import cpu_state_step_
@@ -108,6 +113,8 @@ def lowp_impls(n: int, g16: torch.Tensor) -> List[Impl]:
     out = []
     for name, fmt, nbytes, weights in (("dos-bf16", "bf16", 20, g16), ("dos-int8", "int8", 16, g16),
                                        ("dos-bf16-noweight", "bf16", 18, None)):
+        if not want(name):
+            continue
         f = sf.state_format(fmt)
         buf = torch.zeros(f.nbytes(n), dtype=torch.uint8)
         views = f.views(buf, n)
@@ -119,12 +126,17 @@ def lowp_impls(n: int, g16: torch.Tensor) -> List[Impl]:
     from dos import split_master as sm
     from dos.adam import cpu_split_step_
 
+    if not want("dos-bf16-split"):
+        return out
     hi, lo = sm.split(_fill(torch.empty(n), 0.02, 6))
     m16, v16 = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
     out.append(Impl("dos-bf16-split", 18, lambda t: cpu_split_step_(
         hi, lo, m16, v16, g16, None, lo_i=0, hi_i=n, step=_next(), threads=t, **HP)))
     return out
 
+
+IMPL_NAMES = ("dos", "dos-bf16", "dos-int8", "dos-bf16-noweight", "dos-bf16-split", "torch-fused+cast",
+              "deepspeed+cast", "deepspeed-step", "torch-fused-step")
 
 _steps = iter(range(1, 1 << 62))
 
@@ -230,7 +242,8 @@ def append_rows(path: Path, rows: List[dict]) -> None:
             os.fsync(f.fileno())
 
 
-def run(threads: List[int], params: int, sweep: str, reps: int, out: Path) -> List[dict]:
+def run(threads: List[int], params: int, sweep: str, reps: int, out: Path,
+        only: Optional[List[str]] = None) -> List[dict]:
     """Measure every thread count; rows are appended after each (a killed run keeps them)."""
     need = params * (12 + 2 + 4 + 8 + 6 + 8 + 8 + 4) + 3 * 4 * min(params, STREAM_ELEMS)
     avail = psutil.virtual_memory().available
@@ -241,10 +254,10 @@ def run(threads: List[int], params: int, sweep: str, reps: int, out: Path) -> Li
     sweep_dir.mkdir(parents=True, exist_ok=True)
     base = {"sweep": sweep, "timestamp": now_iso(), "git_sha": git_sha(), "params": params,
             "reps": reps, **_host_info()}
-    impls = make_impls(params)
+    impls = make_impls(params, only)
     base["cpu_impl"] = cpu_impl()
     env = {**environment(), "csrc": _csrc.info(), "loadavg_at_start": os.getloadavg(),
-           "argv": {"threads": threads, "params": params, "reps": reps}}
+           "argv": {"threads": threads, "params": params, "reps": reps, "impls": only}}
     (sweep_dir / f"env-{stamp}.json").write_text(json.dumps(env, indent=1, default=str))
     rows = []
     for t in threads:
@@ -297,11 +310,13 @@ def main(argv=None) -> None:
     ap.add_argument("--params", type=int, default=400_000_000)
     ap.add_argument("--sweep", required=True, help="rows go to <out>/<sweep>/runs.csv")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--impls", nargs="+", default=None, choices=IMPL_NAMES,
+                    help="only these implementations (default: all)")
     ap.add_argument("--out", type=Path, default=None,
                     help="results root (default: $OUT if set, else experiments/results)")
     a = ap.parse_args(argv)
     out = a.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[3] / "experiments" / "results")
-    run(a.threads, a.params, a.sweep, a.reps, out)
+    run(a.threads, a.params, a.sweep, a.reps, out, a.impls)
 
 
 if __name__ == "__main__":
