@@ -544,8 +544,10 @@ def test_kernel_bench_runs_only_the_named_implementations(tmp_path, monkeypatch)
     def no_deepspeed(*a):
         raise AssertionError("DeepSpeed built though not named")
     monkeypatch.setattr(kernel, "deepspeed_impls", no_deepspeed)
-    rows = kernel.run([1], 6000, "kernel-only", 1, tmp_path, only=["dos", "dos-bf16-split"])
+    rows = kernel.run([1], 6000, "kernel-only", 1, tmp_path, only=["dos", "dos-bf16-split"],
+                      batch_id="b-1")
     impls = {r["impl"] for r in rows}
+    assert {r["batch_id"] for r in rows} == {"b-1"} and all("boot_id" in r for r in rows)
     assert impls == {"dos", "dos-bf16-split", "stream-copy", "stream-triad", "stream-add-inplace"}
     assert all(r["status"] == "ok" for r in rows)
     with pytest.raises(SystemExit):  # an unknown name is refused by the command line

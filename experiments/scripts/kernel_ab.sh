@@ -4,10 +4,12 @@
 # this tree), in alternate processes, ROUNDS rounds (old, new, old, new, ...). Rows go to
 # $OUT/<SWEEP>/runs.csv (else experiments/results/<SWEEP>), git_sha "<OLD_SHA>-core" or NEW_SHA,
 # and each process logs which dos it imported. Each tree builds its own extension once (~20 s).
-#   [PARAMS=400000000] [REPS=5] bash experiments/scripts/kernel_ab.sh OLD_SHA NEW_SHA SWEEP ROUNDS "IMPLS" THREADS...
+# BATCH_ID (default: <UTC time>-kernel-ab) goes into every row, with the GPU's UUID and the boot id.
+#   [PARAMS=400000000] [REPS=5] [BATCH_ID=...] bash experiments/scripts/kernel_ab.sh OLD_SHA NEW_SHA SWEEP ROUNDS "IMPLS" THREADS...
 set -eu
 old=$1; new=$2; sweep=$3; rounds=$4; impls=$5; shift 5
 here=$PWD; out=${OUT:-$here/experiments/results}
+batch=${BATCH_ID:-$(date -u +%Y%m%dT%H%MZ)-kernel-ab}
 [ -d .ab/old/dos ] || { echo "no .ab/old: run experiments/scripts/make_ab_old.sh $old first" >&2; exit 2; }
 for r in $(seq 1 "$rounds"); do
   for side in old new; do
@@ -17,6 +19,6 @@ for r in $(seq 1 "$rounds"); do
         'import sys, dos; print("round", sys.argv[1], "dos from", dos.__file__)' "$r" \
      && PYTHONPATH="$tree:${DOS_SITE:-/tmp/site}" DOS_GIT_SHA=$sha python3 -m dos.lab.bench.kernel \
         --threads "$@" --params "${PARAMS:-400000000}" --reps "${REPS:-5}" --sweep "$sweep" --out "$out" \
-        --impls $impls) || echo "round $r $side rc=$?"
+        --batch-id "$batch" --impls $impls) || echo "round $r $side rc=$?"
   done
 done

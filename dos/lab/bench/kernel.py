@@ -48,14 +48,16 @@ import torch
 
 from dos import _csrc
 from dos.adam import cpu_adamw_, cpu_impl, torch_cpu_adamw_
-from dos.lab.bench.records import environment, git_sha, now_iso
+from dos.lab.bench.records import boot_id, environment, git_sha, now_iso
 
 COLUMNS = (
     "run_id", "sweep", "timestamp", "git_sha", "status", "error", "impl", "threads", "params",
     "gparams_per_s", "bytes_per_param", "gbytes_per_s", "stream_copy_gbs", "stream_triad_gbs",
     "frac_of_copy", "median_s", "min_s", "max_s", "reps", "cpu_impl", "build_s", "cpu_model",
-    "cores", "gpu_name", "host", "torch", "deepspeed",
+    "cores", "gpu_name", "host", "torch", "deepspeed", "batch_id", "gpu_uuid", "boot_id",
 )
+# batch_id ($BATCH_ID, or --batch-id), gpu_uuid and boot_id: which rows are side by side (one
+# machine start); a results dir with the older header (without them) takes no new rows.
 HP = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 STREAM_ELEMS = 100_000_000  # 400 MB per array: far beyond any last-level cache
 
@@ -218,8 +220,13 @@ def _host_info() -> dict:
     except Exception:
         ds = ""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    uuid = ""
+    if gpu:
+        uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
+        uuid = uuid if not uuid or uuid.startswith("GPU-") else "GPU-" + uuid
     return {"cpu_model": model, "cores": psutil.cpu_count(logical=False), "gpu_name": gpu,
-            "host": platform.node(), "torch": torch.__version__, "deepspeed": ds}
+            "host": platform.node(), "torch": torch.__version__, "deepspeed": ds,
+            "gpu_uuid": uuid, "boot_id": boot_id()}
 
 
 def append_rows(path: Path, rows: List[dict]) -> None:
@@ -243,7 +250,7 @@ def append_rows(path: Path, rows: List[dict]) -> None:
 
 
 def run(threads: List[int], params: int, sweep: str, reps: int, out: Path,
-        only: Optional[List[str]] = None) -> List[dict]:
+        only: Optional[List[str]] = None, batch_id: str = "") -> List[dict]:
     """Measure every thread count; rows are appended after each (a killed run keeps them)."""
     need = params * (12 + 2 + 4 + 8 + 6 + 8 + 8 + 4) + 3 * 4 * min(params, STREAM_ELEMS)
     avail = psutil.virtual_memory().available
@@ -253,7 +260,7 @@ def run(threads: List[int], params: int, sweep: str, reps: int, out: Path,
     sweep_dir = out / sweep
     sweep_dir.mkdir(parents=True, exist_ok=True)
     base = {"sweep": sweep, "timestamp": now_iso(), "git_sha": git_sha(), "params": params,
-            "reps": reps, **_host_info()}
+            "reps": reps, "batch_id": batch_id or os.environ.get("BATCH_ID", ""), **_host_info()}
     impls = make_impls(params, only)
     base["cpu_impl"] = cpu_impl()
     env = {**environment(), "csrc": _csrc.info(), "loadavg_at_start": os.getloadavg(),
@@ -310,13 +317,14 @@ def main(argv=None) -> None:
     ap.add_argument("--params", type=int, default=400_000_000)
     ap.add_argument("--sweep", required=True, help="rows go to <out>/<sweep>/runs.csv")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--batch-id", default="", help="the rows' batch_id (default: $BATCH_ID)")
     ap.add_argument("--impls", nargs="+", default=None, choices=IMPL_NAMES,
                     help="only these implementations (default: all)")
     ap.add_argument("--out", type=Path, default=None,
                     help="results root (default: $OUT if set, else experiments/results)")
     a = ap.parse_args(argv)
     out = a.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[3] / "experiments" / "results")
-    run(a.threads, a.params, a.sweep, a.reps, out, a.impls)
+    run(a.threads, a.params, a.sweep, a.reps, out, a.impls, a.batch_id)
 
 
 if __name__ == "__main__":
