@@ -5,6 +5,8 @@
 # $OUT/<SWEEP>/runs.csv (else experiments/results/<SWEEP>), git_sha "<OLD_SHA>-core" or NEW_SHA,
 # and each process logs which dos it imported. Each tree builds its own extension once (~20 s).
 # BATCH_ID (default: <UTC time>-kernel-ab) goes into every row, with the GPU's UUID and the boot id.
+# PACK=<file.tar.gz>: after each process, the sweep's results dir packed into that one file (a
+# device call returns only a handful of files from $OUT: session 33 lost a call's rows to that).
 #   [PARAMS=400000000] [REPS=5] [BATCH_ID=...] bash experiments/scripts/kernel_ab.sh OLD_SHA NEW_SHA SWEEP ROUNDS "IMPLS" THREADS...
 set -eu
 old=$1; new=$2; sweep=$3; rounds=$4; impls=$5; shift 5
@@ -20,5 +22,6 @@ for r in $(seq 1 "$rounds"); do
      && PYTHONPATH="$tree:${DOS_SITE:-/tmp/site}" DOS_GIT_SHA=$sha python3 -m dos.lab.bench.kernel \
         --threads "$@" --params "${PARAMS:-400000000}" --reps "${REPS:-5}" --sweep "$sweep" --out "$out" \
         --batch-id "$batch" --impls $impls) || echo "round $r $side rc=$?"
+    if [ -n "${PACK:-}" ]; then tar -czf "$PACK.tmp" -C "$out" "$sweep" && mv "$PACK.tmp" "$PACK"; fi
   done
 done
