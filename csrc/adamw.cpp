@@ -132,7 +132,10 @@ struct V {
   static DOS_INLINE void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
   static DOS_INLINE F load_split(const uint16_t* h, const int16_t* l) { return split_join(*h, *l); }
   static DOS_INLINE void store_split(uint16_t* h, int16_t* l, F x) { split_of(x, h, l); }
-  // Pairs (lowp_body.inc): 2W consecutive 16-bit values, here simply element 0 and element 1.
+  // Pairs (lowp_body.inc): 2W consecutive values, here element 0 and element 1. Named by the
+  // shared bodies; the scalar kernels never take them (one element at a time, the reference's order).
+  static DOS_INLINE void load_f32_eo(const float* p, F& e, F& o) { e = p[0]; o = p[1]; }
+  static DOS_INLINE void store_f32_eo(float* p, F e, F o) { p[0] = e; p[1] = o; }
   static DOS_INLINE void load_bf16_eo(const uint16_t* p, F& e, F& o) { e = load_bf16(p); o = load_bf16(p + 1); }
   static DOS_INLINE void store_bf16_eo(uint16_t* p, F e, F o) { store_bf16(p, e); store_bf16(p + 1, o); }
   static DOS_INLINE void load_split_eo(const uint16_t* h, const int16_t* l, F& e, F& o) {
@@ -233,6 +236,20 @@ struct V {
   }
   // Pairs (lowp_body.inc): 2W consecutive 16-bit values, even elements in `e` and odd ones in
   // `o`, by shifts and masks within 32-bit lanes: no widening or narrowing shuffles.
+  // fp32 pairs: 2W floats as the even elements in order in `e` and the odd ones in `o` (the
+  // lane order of the 16-bit pairs), two shuffles each way
+  DOS_TGT static DOS_INLINE void load_f32_eo(const float* p, F& e, F& o) {
+    const F a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    e = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), _MM_SHUFFLE(3, 1, 2, 0)));
+    o = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+  DOS_TGT static DOS_INLINE void store_f32_eo(float* p, F e, F o) {
+    const F lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
   DOS_TGT static DOS_INLINE void load_bf16_eo(const uint16_t* p, F& e, F& o) {
     const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     e = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
@@ -390,6 +407,19 @@ struct V {
   // `o`, by shifts and masks within 32-bit lanes: no widening or narrowing shuffles (VPMOVZXWD,
   // VPMOVDW: the shuffle port's work, five of them per 16 elements for the split master's four
   // streams and the gradient; docs/DESIGN.md §3.7).
+  // fp32 pairs: 2W floats as the even elements in order in `e` and the odd ones in `o` (the
+  // lane order of the 16-bit pairs), one two-source permute per vector each way
+  DOS_TGT static DOS_INLINE void load_f32_eo(const float* p, F& e, F& o) {
+    const F a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    e = _mm512_permutex2var_ps(a, ev, b);
+    o = _mm512_permutex2var_ps(a, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), b);
+  }
+  DOS_TGT static DOS_INLINE void store_f32_eo(float* p, F e, F o) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_ps(p, _mm512_permutex2var_ps(e, lo, o));
+    _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(e, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), o));
+  }
   DOS_TGT static DOS_INLINE void load_bf16_eo(const uint16_t* p, F& e, F& o) {
     const __m512i u = _mm512_loadu_si512(p);
     e = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));

@@ -210,6 +210,45 @@ def test_kernel_moments_round_every_bf16_gradient_as_the_bf16_kernel(csrc_ops, i
         assert torch.equal(v.view(torch.int16), v2.view(torch.int16))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kernel", ["split", "bf16"])
+@pytest.mark.parametrize("n,lo_i,hi_i", [(7, 0, 7), (33, 0, 33), (100, 3, 97), (5003, 17, 4001),
+                                         (70001, 0, 70001)])
+@pytest.mark.parametrize("out_kind", [None, "apart"])
+def test_pairs_equal_the_widening_codec(csrc_ops, isa, kernel, n, lo_i, hi_i, out_kind):
+    """The pairs (a bf16 gradient) against the widening path of the same kernel (an fp32 gradient
+    holding the same values: the other codec, same math): moments, master and weights bitwise, step
+    after step, with ties, huge values and inf/NaN gradients, on segments starting at odd elements."""
+    need_isa(csrc_ops, isa)
+    hp = (0.9, 0.999, 1e-8)
+    if kernel == "split":
+        a = list(_state(n, seed=11, specials=True))
+        b = [t.clone() for t in a]
+    else:
+        hi, lo, m, v = _state(n, seed=11, specials=True)
+        a = [sm.join(hi, lo), m, v]
+        b = [t.clone() for t in a]
+    for step, lr, wd, scale in STEPS:
+        g = _grads(n, torch.bfloat16, step)
+        g32 = g.float()
+        outs = [None, None] if out_kind is None else [torch.zeros(n, dtype=torch.bfloat16) for _ in "ab"]
+        if kernel == "split":
+            csrc_ops.adamw_split_(*a, g, outs[0], lo_i, hi_i, step, lr, *hp, wd, scale, 2, isa)
+            csrc_ops.adamw_split_(*b, g32, outs[1], lo_i, hi_i, step, lr, *hp, wd, scale, 2, isa)
+        else:
+            csrc_ops.adamw_lowp_(a[0], a[1], a[2], None, g, outs[0], lo_i, hi_i, step, lr, *hp, wd,
+                                 scale, 2, isa)
+            csrc_ops.adamw_lowp_(b[0], b[1], b[2], None, g32, outs[1], lo_i, hi_i, step, lr, *hp, wd,
+                                 scale, 2, isa)
+        for x, y in zip(a + outs[:1] * (out_kind is not None), b + outs[1:] * (out_kind is not None)):
+            if x.dtype == torch.float32:
+                _same_master(x, y)
+                assert torch.equal(x.isnan().sum(), y.isnan().sum())
+            else:
+                xi, yi = (t.view(torch.int16) for t in (x, y))
+                assert torch.equal(xi, yi)
+
+
 def test_kernel_rejects_bad_input(csrc_ops):
     n = 64
     hi, lo, m, v = _state(n)
