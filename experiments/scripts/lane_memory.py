@@ -6,7 +6,12 @@ In the engine the split lane runs at 84-89% of its kernel's rate alone (session 
 differences from dos.lab.bench.kernel: the state lives in the host arena (one anonymous mapping,
 MADV_HUGEPAGE, page-locked with cudaHostRegister: dos.buffers.HostArena) and the lane updates it
 one subgroup (`--sub` elements) per call. Each kernel runs over the same N elements in four ways —
-{torch.empty, arena} memory x {one call, N/sub calls} — alternating per repetition; medians of R.
+{torch.empty, arena} memory x {one call, N/sub calls} — and two more ways on the arena that copy as
+the engine's all-CPU step does: `uploads` (each subgroup's weights copied to the GPU, non-blocking,
+after its update: the next update runs beside that copy) and `engine` (as `uploads`, after 0.3 s
+of an idle CPU and the gradients' D2H into the host gradient buffer: the backward before a step) —
+alternating per repetition; medians of R. For the two copying ways the rows also give the median
+per-call rate of the first 3 calls and of the later ones (a slow start after idle shows there).
 Rows (one per kernel and way) append to OUT.csv with $BATCH_ID, the GPU UUID and the boot id.
 """
 from __future__ import annotations
@@ -68,6 +73,10 @@ def step(kind, s, lo, hi, threads):
         cpu_split_step_(h, l, m, v, g, None, lo_i=lo, hi_i=hi, step=_next(), threads=threads, **HP)
 
 
+def _med(xs) -> str:
+    return f"{statistics.median(xs):.4f}" if xs else ""
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
@@ -80,17 +89,36 @@ def main(argv=None):
     n = a.params
     bufs = {(k, w): state(n, k, w) for k in ("fp32", "split") for w in ("empty", "arena")}
     ways = [(k, w, c) for k in ("fp32", "split") for w in ("empty", "arena") for c in ("one", "subgroups")]
+    ways += [(k, "arena", c) for k in ("fp32", "split") for c in ("uploads", "engine")]
+    dev = torch.empty(a.sub, dtype=torch.bfloat16, device="cuda")  # the uploads' destination
+    dgrad = _fill(torch.empty(n), 1e-3, 7).to(device="cuda", dtype=torch.bfloat16)  # the D2H's source
+    per_call = {x: ([], []) for x in ways}
 
     def run(k, w, c):
         s = bufs[(k, w)][0]
         spans = [(0, n)] if c == "one" else [(lo, min(n, lo + a.sub)) for lo in range(0, n, a.sub)]
+        copies = c in ("uploads", "engine")
+        weights = s[3] if k == "fp32" else s[0]  # fp32: over the gradient; split: hi
+        if c == "engine":
+            torch.cuda.synchronize()
+            time.sleep(0.3)
+            s[-1].copy_(dgrad, non_blocking=True)  # the gradient ("fp32": its weights go over it)
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for lo, hi in spans:
+        for i, (lo, hi) in enumerate(spans):
+            t1 = time.perf_counter()
             step(k, s, lo, hi, a.threads)
+            if copies:
+                per_call[(k, w, c)][i >= 3].append((hi - lo) / (time.perf_counter() - t1) / 1e9)
+                dev[: hi - lo].copy_(weights[lo:hi], non_blocking=True)
+        if copies:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     for x in ways:
         run(*x)
+    for v in per_call.values():  # the warm-up calls' rates are not reported
+        v[0].clear(), v[1].clear()
     times = {x: [] for x in ways}
     for _ in range(a.reps):
         for x in ways:
@@ -101,7 +129,9 @@ def main(argv=None):
             "threads": a.threads, "params": n, "sub": a.sub, "reps": a.reps}
     rows = [{**base, "kernel": k, "memory": w, "calls": c, "median_s": round(statistics.median(ts), 5),
              "min_s": round(min(ts), 5), "max_s": round(max(ts), 5),
-             "gparams_per_s": round(n / statistics.median(ts) / 1e9, 4)} for (k, w, c), ts in times.items()]
+             "gparams_per_s": round(n / statistics.median(ts) / 1e9, 4),
+             "first_calls_gparams_per_s": _med(per_call[(k, w, c)][0]),
+             "later_calls_gparams_per_s": _med(per_call[(k, w, c)][1])} for (k, w, c), ts in times.items()]
     new = not os.path.exists(a.out)
     with open(a.out, "a", newline="") as f:
         wr = csv.DictWriter(f, list(rows[0]))
@@ -109,7 +139,8 @@ def main(argv=None):
             wr.writeheader()
         wr.writerows(rows)
     for r in rows:
-        print(f"{r['kernel']:<6} {r['memory']:<6} {r['calls']:<10} {r['gparams_per_s']:7.3f} G/s")
+        print(f"{r['kernel']:<6} {r['memory']:<6} {r['calls']:<10} {r['gparams_per_s']:7.3f} G/s"
+              f"  first/later calls {r['first_calls_gparams_per_s'] or '-'} / {r['later_calls_gparams_per_s'] or '-'}")
 
 
 if __name__ == "__main__":
