@@ -11,7 +11,9 @@ the engine's all-CPU step does: `uploads` (each subgroup's weights copied to the
 after its update: the next update runs beside that copy) and `engine` (as `uploads`, after 0.3 s
 of an idle CPU and the gradients' D2H into the host gradient buffer: the backward before a step) —
 alternating per repetition; medians of R. For the two copying ways the rows also give the median
-per-call rate of the first 3 calls and of the later ones (a slow start after idle shows there).
+per-call rate of the first 3 calls and of the later ones (a slow start after idle shows there),
+and the median time of the upload's `copy_` call on the host (in the engine the gap between two
+subgroups' updates was 150-260 us).
 Rows (one per kernel and way) append to OUT.csv with $BATCH_ID, the GPU UUID and the boot id.
 """
 from __future__ import annotations
@@ -93,6 +95,7 @@ def main(argv=None):
     dev = torch.empty(a.sub, dtype=torch.bfloat16, device="cuda")  # the uploads' destination
     dgrad = _fill(torch.empty(n), 1e-3, 7).to(device="cuda", dtype=torch.bfloat16)  # the D2H's source
     per_call = {x: ([], []) for x in ways}
+    launch = {x: [] for x in ways}  # seconds in the upload's copy_ call (the host's cost per subgroup)
 
     def run(k, w, c):
         s = bufs[(k, w)][0]
@@ -110,7 +113,9 @@ def main(argv=None):
             step(k, s, lo, hi, a.threads)
             if copies:
                 per_call[(k, w, c)][i >= 3].append((hi - lo) / (time.perf_counter() - t1) / 1e9)
+                t2 = time.perf_counter()
                 dev[: hi - lo].copy_(weights[lo:hi], non_blocking=True)
+                launch[(k, w, c)].append(time.perf_counter() - t2)
         if copies:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -119,6 +124,8 @@ def main(argv=None):
         run(*x)
     for v in per_call.values():  # the warm-up calls' rates are not reported
         v[0].clear(), v[1].clear()
+    for v in launch.values():
+        v.clear()
     times = {x: [] for x in ways}
     for _ in range(a.reps):
         for x in ways:
@@ -131,7 +138,8 @@ def main(argv=None):
              "min_s": round(min(ts), 5), "max_s": round(max(ts), 5),
              "gparams_per_s": round(n / statistics.median(ts) / 1e9, 4),
              "first_calls_gparams_per_s": _med(per_call[(k, w, c)][0]),
-             "later_calls_gparams_per_s": _med(per_call[(k, w, c)][1])} for (k, w, c), ts in times.items()]
+             "later_calls_gparams_per_s": _med(per_call[(k, w, c)][1]),
+             "copy_call_us": _med([x * 1e6 for x in launch[(k, w, c)]])} for (k, w, c), ts in times.items()]
     new = not os.path.exists(a.out)
     with open(a.out, "a", newline="") as f:
         wr = csv.DictWriter(f, list(rows[0]))
