@@ -135,7 +135,7 @@ class Lanes:
         sync.host_wait(self.grads.d2h[s], "grad_d2h->cpu_update")
         sync.host_wait(self.written[s], "d2h->cpu_update")
         t0 = time.perf_counter()
-        views = self.dev.fmt.views(self.host.state[s], sg.numel)
+        views = self.host.views(s)
         g = self.host.grad[s]
         # bf16-split: the state holds the weights (hi, dos/split_master.py); they go up from there
         # and nothing is written over the gradient (2 B per element less host traffic)
