@@ -290,6 +290,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Release the hooks and give back the host arena and the GPU state (the parameters stay
         where they are; the optimizer is unusable afterwards)."""
         self._cpu_lane.close()
+        self._lanes.close()  # its upload thread (dos/uploads.py)
         self._sync.synchronize()  # no copy may still touch the memory we give back
         self._grads.remove()
         self._host.close()

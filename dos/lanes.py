@@ -13,13 +13,14 @@ Order of one step:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from . import adam
+from . import adam, uploads
 from .partition import Layout
 from .plan import Plan
 
@@ -49,6 +50,8 @@ class Lanes:
         # dos.params.StepCounts.segments: (start, stop, step|None) pieces of a subgroup (steps are
         # per parameter; None: no gradient this step). Default: the whole subgroup at the bucket's step.
         self.segments = lambda s, step: [(0, layout.subgroups[s].numel, step)]
+        # issues the CPU lane's uploads in step() (None: on the calling thread: dos.uploads.enabled)
+        self.uploader = uploads.UploadThread(device) if uploads.enabled(device) else None
 
     def set_plan(self, plan: Plan) -> None:
         """The plan in force from the next update on (the planner checked it fits the buffers)."""
@@ -119,15 +122,30 @@ class Lanes:
     def _cpu(self, hyper, scale: float, done: frozenset = frozenset()) -> None:
         order = [s for s in self.plan.cpu_order if s not in done]
         feed = self.grads.feed(order)  # what gradient goes down as each subgroup's weights go up
-        for j, s in enumerate(order):
-            feed.uploaded(j, self.cpu_update(s, hyper, scale=scale))
+        # The gradient ring sends the (j+K)-th gradient once the j-th upload's event exists: its
+        # uploads stay on this thread. Otherwise the helper thread issues them (dos/uploads.py).
+        up = self.uploader.submit if self.uploader is not None and self.grads.ring is None else None
+        try:
+            for j, s in enumerate(order):
+                ev = self.cpu_update(s, hyper, scale=scale, upload=up)
+                if up is None:
+                    feed.uploaded(j, ev)
+        except BaseException:
+            if up is not None:  # nothing may still run when the error reaches the caller
+                with contextlib.suppress(RuntimeError):
+                    self.uploader.join()
+            raise
+        if up is not None:
+            self.uploader.join()  # every upload is on its stream before run() waits for it
         self.grads.after_update()
 
     def cpu_update(self, s: int, hyper, spans: Optional[list] = None, scale: float = 1.0,
-                   spare: int = 0) -> None:
-        """Update CPU subgroup s on the calling thread and queue the upload of its weights.
-        `spans`: where its spans go (None: this step's timeline); `spare`: cores of the plan's CPU
-        threads left free (backward's own thread, when it runs during backward)."""
+                   spare: int = 0, upload: Optional[Callable] = None):
+        """Update CPU subgroup s on the calling thread and queue the upload of its weights; the
+        upload's event. `spans`: where its spans go (None: this step's timeline); `spare`: cores
+        of the plan's CPU threads left free (backward's own thread, when it runs during backward);
+        `upload`: `UploadThread.submit` (dos/uploads.py) to issue the upload from there (then
+        the event is None: the caller joins the thread instead)."""
         sync, sg = self.sync, self.layout.subgroups[s]
         h = hyper[sg.bucket]
         # The CPU may read the gradient only once its D2H has landed, and the state only once
@@ -156,9 +174,22 @@ class Lanes:
         # The weights went over the gradient in the host block (bf16-split: they are the state's
         # hi): upload them from there. hi's next write is this subgroup's next update, after the
         # next backward, which the upload precedes (upload->forward).
-        with self.tl.stage("upload", lane="upload", subgroup=s, numel=sg.numel, sink=spans) as up:
-            self.dev.param(self.layout, s).copy_(g if src is None else src, non_blocking=True)
-        return up.event  # the upload's (a gradient ring's next D2H into this slot waits for it)
+        weights = g if src is None else src
+        if upload is not None:  # issued by dos.uploads' thread; `run` joins it before the wait
+            upload(lambda: self._upload(s, weights, spans))
+            return None
+        return self._upload(s, weights, spans)  # a gradient ring's next D2H into this slot waits for it
+
+    def _upload(self, s: int, weights: torch.Tensor, spans: Optional[list]):
+        """Queue the upload of CPU subgroup s's new weights on the upload stream; its event."""
+        with self.tl.stage("upload", lane="upload", subgroup=s, numel=self.layout.subgroups[s].numel,
+                           sink=spans) as up:
+            self.dev.param(self.layout, s).copy_(weights, non_blocking=True)
+        return up.event
+
+    def close(self) -> None:
+        if self.uploader is not None:
+            self.uploader.close()
 
     def keep_slots(self, n: int) -> None:
         """Keep the first n staging slots (the caller has synchronized: no copy uses the others)."""
