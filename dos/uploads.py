@@ -16,8 +16,8 @@ Invariants (why the hand-offs still hold, dos/lanes.py):
 - uploads whose events a later host action needs at once (the gradient ring's next D2H into the
   same slot; updates overlapped with backward) stay on the calling thread (`Lanes._cpu`).
 `torch.Tensor.copy_` releases the GIL, so the helper's copy call overlaps the next update's
-Python and kernel. On a CPU device, or with DOS_UPLOAD_THREAD=0, every upload is issued on the
-calling thread (`enabled`).
+Python and kernel. Opt-in for now (DOS_UPLOAD_THREAD=1, `enabled`); otherwise every upload is
+issued on the calling thread, as before.
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import torch
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether the CPU lane's uploads to `device` go through the helper thread: on CUDA (a copy
-    call costs more host time than the thread's hand-off, ~30 us on the 2-core CI machine); on a
-    CPU device the "upload" is a small memcpy and stays inline. DOS_UPLOAD_THREAD=0 / =1 turns it
-    off / on for every device (A/B runs; the CPU tests run the threaded path with =1)."""
-    env = os.environ.get("DOS_UPLOAD_THREAD", "")
-    return env == "1" or (env != "0" and device.type == "cuda")
+    """Whether the CPU lane's uploads to `device` go through the helper thread: opt-in
+    (DOS_UPLOAD_THREAD=1) until it has run on the GPU (its race tests and its A/B,
+    experiments/scripts/upload_thread_ab.py: written in session 34, when no device time was left);
+    then on by default on CUDA. On a CPU device the "upload" is a small memcpy and a hand-off
+    costs more (~30 us on the 2-core CI machine), but the CPU tests run the threaded path (=1)."""
+    return os.environ.get("DOS_UPLOAD_THREAD", "") == "1"
 
 
 class UploadThread:

@@ -138,3 +138,29 @@ def test_host_arena_is_pinned_and_exact():
         assert t.is_pinned() and opt._host.grad[s].is_pinned()
     assert opt.host_bytes_per_param < 14.1
     opt.close()
+
+
+# DOS_UPLOAD_THREAD=1 (dos/uploads.py): the CPU lane's uploads are issued from a helper thread;
+# the hand-offs around them are the same (its gradient's D2H before the update; the next forward
+# after the uploads, which `Lanes._cpu` joins before the main stream waits for them).
+THREAD_CASES = {
+    "grad_d2h->cpu_update": dict(placement="cpu"),
+    "upload->forward": dict(placement="cpu"),
+}
+
+
+@pytest.mark.parametrize("settings", [ALL_LANES, dict(placement="cpu")], ids=["all-lanes", "cpu"])
+def test_no_race_with_the_upload_thread(monkeypatch, settings):
+    from dos import uploads
+
+    monkeypatch.setenv("DOS_UPLOAD_THREAD", "1")
+    assert uploads.enabled(torch.device("cuda"))
+    for seed in range(3):
+        assert run(settings, delay=4_000_000, seed=seed) <= PASS
+
+
+@pytest.mark.parametrize("name", list(THREAD_CASES))
+def test_dropping_a_handoff_breaks_threaded_uploads(monkeypatch, name):
+    monkeypatch.setenv("DOS_UPLOAD_THREAD", "1")
+    errs = [run(THREAD_CASES[name], skip={name}, delay=20_000_000, seed=seed) for seed in range(3)]
+    assert any(not e <= DETECT for e in errs), f"dropping {name} went unnoticed: errors {errs}"
