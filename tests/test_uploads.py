@@ -45,10 +45,11 @@ def test_join_reraises_the_first_error_after_every_upload_ran():
 
 
 def test_the_thread_ends_with_its_owner():
+    before = set(threading.enumerate())
     up = uploads.UploadThread(torch.device("cpu"))
     up.submit(lambda: None)
     up.join()
-    (t,) = [t for t in threading.enumerate() if t.name.startswith("dos-upload")]
+    (t,) = [t for t in set(threading.enumerate()) - before if t.name.startswith("dos-upload")]
     del up
     t.join(timeout=10)
     assert not t.is_alive()
@@ -107,6 +108,7 @@ def test_an_upload_error_reaches_step_and_nothing_runs_after_it(monkeypatch):
     # every other subgroup's upload was still issued before step() raised
     assert sorted(issued) == sorted(s for s in order if s != bad)
     assert opt._lanes.uploader._pending == []
+    opt.close()
 
 
 def test_the_gradient_ring_keeps_its_uploads_on_the_calling_thread(monkeypatch):
