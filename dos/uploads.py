@@ -2,8 +2,8 @@
 
 In `step()` the CPU lane's thread is the CPU kernel's OpenMP master: while it issues a subgroup's
 upload (`copy_` of its new weights to the GPU, non-blocking) the kernel's other threads wait for
-the next subgroup. On the H100/H200 host that call took 120-140 us of host time per 50M-element
-subgroup (experiments/results/lane-memory, docs/DESIGN.md decision log 2026-12-07): ~9 ms of a
+the next subgroup. On an H100 machine's host (session 34) that call took 120-140 us of host time
+per 50M-element subgroup (experiments/results/lane-memory, docs/DESIGN.md decision log 2026-12-07): ~9 ms of a
 3B all-CPU step. `UploadThread.submit(fn)` runs `fn` (the upload stage: its stream waits, the
 copy, its event) on one helper thread, in submission order, and returns at once; `join()` waits
 until every submitted one has run and re-raises the first error.
@@ -15,8 +15,8 @@ Invariants (why the hand-offs still hold, dos/lanes.py):
   every upload is on that stream, in order, before the next forward can be enqueued;
 - uploads whose events a later host action needs at once (the gradient ring's next D2H into the
   same slot; updates overlapped with backward) stay on the calling thread (`Lanes._cpu`).
-`torch.Tensor.copy_` releases the GIL, so the helper's copy call overlaps the next update's
-Python and kernel. Opt-in for now (DOS_UPLOAD_THREAD=1, `enabled`); otherwise every upload is
+`torch.Tensor.copy_` and the CPU kernel (`torch.ops.dos.*`) release the GIL (checked on the CPU
+build), so the helper's copy call overlaps the next update's Python and kernel. Opt-in for now (DOS_UPLOAD_THREAD=1, `enabled`); otherwise every upload is
 issued on the calling thread, as before.
 """
 from __future__ import annotations
