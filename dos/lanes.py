@@ -50,8 +50,10 @@ class Lanes:
         # dos.params.StepCounts.segments: (start, stop, step|None) pieces of a subgroup (steps are
         # per parameter; None: no gradient this step). Default: the whole subgroup at the bucket's step.
         self.segments = lambda s, step: [(0, layout.subgroups[s].numel, step)]
-        # issues the CPU lane's uploads in step() (None: on the calling thread: dos.uploads.enabled)
-        self.uploader = uploads.UploadThread(device) if uploads.enabled(device) else None
+        # issues the CPU lane's uploads in step() (None: on the calling thread: dos.uploads.enabled;
+        # the gradient ring sends its (j+K)-th gradient once the j-th upload's event exists)
+        self.uploader = (uploads.UploadThread(device) if uploads.enabled(device) and grads.ring is None
+                         else None)
 
     def set_plan(self, plan: Plan) -> None:
         """The plan in force from the next update on (the planner checked it fits the buffers)."""
@@ -122,9 +124,7 @@ class Lanes:
     def _cpu(self, hyper, scale: float, done: frozenset = frozenset()) -> None:
         order = [s for s in self.plan.cpu_order if s not in done]
         feed = self.grads.feed(order)  # what gradient goes down as each subgroup's weights go up
-        # The gradient ring sends the (j+K)-th gradient once the j-th upload's event exists: its
-        # uploads stay on this thread. Otherwise the helper thread issues them (dos/uploads.py).
-        up = self.uploader.submit if self.uploader is not None and self.grads.ring is None else None
+        up = self.uploader.submit if self.uploader is not None else None  # dos/uploads.py
         try:
             for j, s in enumerate(order):
                 ev = self.cpu_update(s, hyper, scale=scale, upload=up)

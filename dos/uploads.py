@@ -3,10 +3,10 @@
 In `step()` the CPU lane's thread is the CPU kernel's OpenMP master: while it issues a subgroup's
 upload (`copy_` of its new weights to the GPU, non-blocking) the kernel's other threads wait for
 the next subgroup. On an H100 machine's host (session 34) that call took 120-140 us of host time
-per 50M-element subgroup (experiments/results/lane-memory, docs/DESIGN.md decision log 2026-12-07): ~9 ms of a
-3B all-CPU step. `UploadThread.submit(fn)` runs `fn` (the upload stage: its stream waits, the
-copy, its event) on one helper thread, in submission order, and returns at once; `join()` waits
-until every submitted one has run and re-raises the first error.
+per 50M-element subgroup (experiments/results/lane-memory, docs/DESIGN.md decision log
+2026-12-07): ~9 ms of a 3B all-CPU step. `UploadThread.submit(fn)` runs `fn` (the upload stage:
+its stream waits, the copy, its event) on one helper thread, in submission order, and returns at
+once; `join()` waits until every submitted one has run and re-raises the first error.
 
 Invariants (why the hand-offs still hold, dos/lanes.py):
 - an upload reads only its own subgroup's weights, written by that subgroup's update, which
@@ -16,13 +16,12 @@ Invariants (why the hand-offs still hold, dos/lanes.py):
 - uploads whose events a later host action needs at once (the gradient ring's next D2H into the
   same slot; updates overlapped with backward) stay on the calling thread (`Lanes._cpu`).
 `torch.Tensor.copy_` and the CPU kernel (`torch.ops.dos.*`) release the GIL (checked on the CPU
-build), so the helper's copy call overlaps the next update's Python and kernel. Opt-in for now (DOS_UPLOAD_THREAD=1, `enabled`); otherwise every upload is
-issued on the calling thread, as before.
+build), so the helper's copy call overlaps the next update's Python and kernel. Opt-in for now
+(DOS_UPLOAD_THREAD=1, `enabled`); otherwise every upload is issued on the calling thread, as before.
 """
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional
@@ -40,13 +39,13 @@ def enabled(device: torch.device) -> bool:
 
 
 class UploadThread:
-    """One helper thread that issues uploads in submission order (created on first use)."""
+    """One helper thread that issues uploads in submission order (created on first use). One
+    caller thread submits and joins (`Lanes._cpu`)."""
 
     def __init__(self, device: torch.device):
         self._device = device
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: List[Future] = []
-        self._lock = threading.Lock()
 
     def _start(self) -> ThreadPoolExecutor:
         device = self._device
@@ -61,15 +60,13 @@ class UploadThread:
         return pool
 
     def submit(self, fn: Callable[[], object]) -> None:
-        with self._lock:
-            if self._pool is None:
-                self._pool = self._start()
-            self._pending.append(self._pool.submit(fn))
+        if self._pool is None:
+            self._pool = self._start()
+        self._pending.append(self._pool.submit(fn))
 
     def join(self) -> None:
         """Wait for every submitted upload to have been issued; re-raise the first error."""
-        with self._lock:
-            pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
         first = None
         for f in pending:  # all of them, even after an error: nothing may still run afterwards
             err = f.exception()

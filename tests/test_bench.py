@@ -552,3 +552,18 @@ def test_kernel_bench_runs_only_the_named_implementations(tmp_path, monkeypatch)
     assert all(r["status"] == "ok" for r in rows)
     with pytest.raises(SystemExit):  # an unknown name is refused by the command line
         kernel.main(["--sweep", "x", "--impls", "dos-fp8"])
+
+
+def test_batch_columns_place_a_script_row_in_its_batch(monkeypatch):
+    from dos.lab.bench import records
+
+    monkeypatch.setenv("BATCH_ID", "b-1")
+    monkeypatch.setenv("DOS_GIT_SHA", "abc123")
+    cols = records.batch_columns()
+    assert list(cols) == ["timestamp", "git_sha", "batch_id", "gpu_uuid", "boot_id"]
+    assert cols["batch_id"] == "b-1" and cols["git_sha"] == "abc123"
+    assert cols["boot_id"] == records.boot_id()
+    if not torch.cuda.is_available():
+        assert cols["gpu_uuid"] == "" == records.gpu_uuid()
+    else:
+        assert cols["gpu_uuid"].startswith("GPU-")

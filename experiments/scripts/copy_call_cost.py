@@ -6,7 +6,7 @@ engine the upload's copy_ call took 120-140 us of the CPU lane's main thread per
 import csv, mmap, os, statistics, sys, time
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from dos.lab.bench.records import boot_id, now_iso  # noqa: E402
+from dos.lab.bench.records import batch_columns  # noqa: E402
 
 
 def registered(nbytes):
@@ -39,9 +39,7 @@ def main(out):
                 rows.append({"source": name, "bytes": size, "stream": stream,
                              "median_us": round(statistics.median(ts[5:]) * 1e6, 2), "min_us": round(min(ts[5:]) * 1e6, 2)})
                 print(rows[-1])
-    uuid = str(torch.cuda.get_device_properties(0).uuid)
-    base = {"timestamp": now_iso(), "batch_id": os.environ.get("BATCH_ID", ""), "gpu_uuid": uuid if uuid.startswith("GPU-") else "GPU-" + uuid,
-            "boot_id": boot_id(), "git_sha": os.environ.get("DOS_GIT_SHA", "")}
+    base = batch_columns()
     with open(out, "a", newline="") as f:
         w = csv.DictWriter(f, list(base) + list(rows[0]))
         if f.tell() == 0:

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dos.lab.bench import kernel  # noqa: E402
-from dos.lab.bench.records import boot_id, git_sha, now_iso  # noqa: E402
+from dos.lab.bench.records import boot_id, git_sha, gpu_uuid, now_iso  # noqa: E402
 
 
 class CopyStream:
@@ -85,9 +85,8 @@ def main(argv=None):
                         i.step(a.threads)
                         times[(i.name, cond)].append(time.perf_counter() - t0)
                     copy_gbs.append(copier.gbs)
-    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", ""))
     base = {"timestamp": now_iso(), "git_sha": git_sha(), "batch_id": os.environ.get("BATCH_ID", ""),
-            "gpu_name": torch.cuda.get_device_name(0), "gpu_uuid": uuid if uuid.startswith("GPU-") else "GPU-" + uuid,
+            "gpu_name": torch.cuda.get_device_name(0), "gpu_uuid": gpu_uuid(),
             "boot_id": boot_id(), "threads": a.threads, "params": a.params, "reps": a.reps,
             "h2d_gbs_median": round(statistics.median(copy_gbs), 2)}
     rows = []

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dos import split_master as sm  # noqa: E402
 from dos.adam import cpu_adamw_, cpu_split_step_  # noqa: E402
 from dos.lab.bench.kernel import HP, _fill, _next  # noqa: E402
-from dos.lab.bench.records import boot_id, git_sha, now_iso  # noqa: E402
+from dos.lab.bench.records import batch_columns  # noqa: E402
 
 
 def arena(nbytes: int) -> torch.Tensor:
@@ -130,10 +130,7 @@ def main(argv=None):
     for _ in range(a.reps):
         for x in ways:
             times[x].append(run(*x))
-    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", ""))
-    base = {"timestamp": now_iso(), "git_sha": git_sha(), "batch_id": os.environ.get("BATCH_ID", ""),
-            "gpu_uuid": uuid if uuid.startswith("GPU-") else "GPU-" + uuid, "boot_id": boot_id(),
-            "threads": a.threads, "params": n, "sub": a.sub, "reps": a.reps}
+    base = {**batch_columns(), "threads": a.threads, "params": n, "sub": a.sub, "reps": a.reps}
     rows = [{**base, "kernel": k, "memory": w, "calls": c, "median_s": round(statistics.median(ts), 5),
              "min_s": round(min(ts), 5), "max_s": round(max(ts), 5),
              "gparams_per_s": round(n / statistics.median(ts) / 1e9, 4),

@@ -13,7 +13,7 @@ import argparse, csv, os, statistics, sys, time
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import dos  # noqa: E402
-from dos.lab.bench.records import boot_id, now_iso  # noqa: E402
+from dos.lab.bench.records import batch_columns  # noqa: E402
 
 
 def main(argv=None):
@@ -38,10 +38,7 @@ def main(argv=None):
                 opt.step()
             opts[(thread, sd)] = opt
     torch.cuda.synchronize()
-    uuid = str(torch.cuda.get_device_properties(0).uuid)
-    base = {"timestamp": now_iso(), "batch_id": os.environ.get("BATCH_ID", ""),
-            "gpu_uuid": uuid if uuid.startswith("GPU-") else "GPU-" + uuid, "boot_id": boot_id(),
-            "git_sha": os.environ.get("DOS_GIT_SHA", ""), "params": a.params_per_tensor * a.tensors,
+    base = {**batch_columns(), "params": a.params_per_tensor * a.tensors,
             "subgroups": len(next(iter(opts.values())).layout.subgroups)}
     rows = []
     for r in range(a.rounds):

@@ -48,7 +48,7 @@ import torch
 
 from dos import _csrc
 from dos.adam import cpu_adamw_, cpu_impl, torch_cpu_adamw_
-from dos.lab.bench.records import boot_id, environment, git_sha, now_iso
+from dos.lab.bench.records import boot_id, environment, git_sha, gpu_uuid, now_iso
 
 COLUMNS = (
     "run_id", "sweep", "timestamp", "git_sha", "status", "error", "impl", "threads", "params",
@@ -220,10 +220,7 @@ def _host_info() -> dict:
     except Exception:
         ds = ""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    uuid = ""
-    if gpu:
-        uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
-        uuid = uuid if not uuid or uuid.startswith("GPU-") else "GPU-" + uuid
+    uuid = gpu_uuid() if gpu else ""
     return {"cpu_model": model, "cores": psutil.cpu_count(logical=False), "gpu_name": gpu,
             "host": platform.node(), "torch": torch.__version__, "deepspeed": ds,
             "gpu_uuid": uuid, "boot_id": boot_id()}

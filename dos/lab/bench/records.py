@@ -69,6 +69,23 @@ def boot_id() -> str:
         return ""
 
 
+def gpu_uuid(device=0) -> str:
+    """The CUDA device's UUID as NVML and nvidia-smi write it ("GPU-..."); "" without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    return uuid if not uuid or uuid.startswith("GPU-") else "GPU-" + uuid
+
+
+def batch_columns() -> dict:
+    """The columns that place a measurement script's row in its batch (issue 16): when, the code,
+    $BATCH_ID, the GPU and the host's boot."""
+    return {"timestamp": now_iso(), "git_sha": git_sha(), "batch_id": os.environ.get("BATCH_ID", ""),
+            "gpu_uuid": gpu_uuid(), "boot_id": boot_id()}
+
+
 def git_sha() -> str:
     """Commit of the working tree ('-dirty' when tracked files other than records have changes);
     DOS_GIT_SHA where there is no .git."""

@@ -163,9 +163,9 @@ class _Run:
         res.update(_gpu_facts(device, spec))
         gpu = {}
         if device.type == "cuda":  # NVML numbers GPUs ignoring CUDA_VISIBLE_DEVICES: match by UUID
-            uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
-            gpu = {"gpu_index": torch.cuda.current_device(),
-                   "gpu_uuid": (uuid if uuid.startswith("GPU-") else "GPU-" + uuid) if uuid else None}
+            from dos.lab.bench.records import gpu_uuid
+
+            gpu = {"gpu_index": torch.cuda.current_device(), "gpu_uuid": gpu_uuid(device) or None}
             res["gpu_uuid"] = gpu["gpu_uuid"]  # the row's gpu_uuid (issue 16: which physical GPU)
         self.sampler = Sampler(self.clock.t0, hz=spec.nvml_hz, **gpu)
         if device.type != "cuda":
