@@ -277,6 +277,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 "device_state_impl": state_kernels.impl_name(self._dev.scratch, self.state_format.name),
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
                 "n_params": self.layout.n_params, "online": self.online_record(),
+                "upload_thread": self._lanes.uploader is not None,  # dos/uploads.py
                 "clients": self.binding.track.record(),  # dos.params: re-sends, re-syncs, skips
                 # ranks sharing this host (FSDP2 / DDP): the calibration they plan with (§3.4)
                 **({"calibration": self.planner.calibration_record()}

@@ -16,8 +16,8 @@ Invariants (why the hand-offs still hold, dos/lanes.py):
 - uploads whose events a later host action needs at once (the gradient ring's next D2H into the
   same slot; updates overlapped with backward) stay on the calling thread (`Lanes._cpu`).
 `torch.Tensor.copy_` and the CPU kernel (`torch.ops.dos.*`) release the GIL (checked on the CPU
-build), so the helper's copy call overlaps the next update's Python and kernel. Opt-in for now
-(DOS_UPLOAD_THREAD=1, `enabled`); otherwise every upload is issued on the calling thread, as before.
+build), so the helper's copy call overlaps the next update's Python and kernel. On by default on
+CUDA (`enabled`; DOS_UPLOAD_THREAD=0 issues every upload on the calling thread, as before).
 """
 from __future__ import annotations
 
@@ -30,12 +30,17 @@ import torch
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether the CPU lane's uploads to `device` go through the helper thread: opt-in
-    (DOS_UPLOAD_THREAD=1) until it has run on the GPU (its race tests and its A/B,
-    experiments/scripts/upload_thread_ab.py: written in session 34, when no device time was left);
-    then on by default on CUDA. On a CPU device the "upload" is a small memcpy and a hand-off
-    costs more (~30 us on the 2-core CI machine), but the CPU tests run the threaded path (=1)."""
-    return os.environ.get("DOS_UPLOAD_THREAD", "") == "1"
+    """Whether the CPU lane's uploads to `device` go through the helper thread: on CUDA unless
+    DOS_UPLOAD_THREAD=0; DOS_UPLOAD_THREAD=1 forces it (also on a CPU device, where the "upload"
+    is a small memcpy and a hand-off costs more, ~30 us on the 2-core CI machine: the CPU tests
+    run the threaded path so). Gated on the GPU race tests with the thread and its A/B
+    (experiments/scripts/upload_thread_gate.sh; docs/DESIGN.md decision log 2026-12-07)."""
+    env = os.environ.get("DOS_UPLOAD_THREAD", "")
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise ValueError(f"DOS_UPLOAD_THREAD must be 0 or 1, got {env!r}")
+    return device.type == "cuda"
 
 
 class UploadThread:

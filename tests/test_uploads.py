@@ -55,11 +55,17 @@ def test_the_thread_ends_with_its_owner():
     assert not t.is_alive()
 
 
-@pytest.mark.parametrize("env,device,on", [("", "cpu", False), ("", "cuda", False), ("0", "cuda", False),
-                                           ("1", "cpu", True), ("1", "cuda", True)])
+@pytest.mark.parametrize("env,device,on", [("", "cpu", False), ("", "cuda", True), ("0", "cuda", False),
+                                           ("0", "cpu", False), ("1", "cpu", True), ("1", "cuda", True)])
 def test_enabled(monkeypatch, env, device, on):
     monkeypatch.setenv("DOS_UPLOAD_THREAD", env)
     assert uploads.enabled(torch.device(device)) is on
+
+
+def test_enabled_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("DOS_UPLOAD_THREAD", "yes")
+    with pytest.raises(ValueError, match="DOS_UPLOAD_THREAD"):
+        uploads.enabled(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -73,6 +79,7 @@ def test_threaded_uploads_train_bitwise_as_inline_ones(monkeypatch, device, stat
         a, opt, b, ref = pair("transformer", device, dtype, subgroup_numel=1000, placement="cpu",
                               state_dtype=state_dtype)
         assert (opt._lanes.uploader is not None) == (env == "1")
+        assert opt.describe()["upload_thread"] == (env == "1")  # in every run record
         assert len(opt._lanes.plan.cpu_order) >= 3
         la = train("transformer", a, opt, 6, device)
         runs[env] = [p.detach().clone() for p in a.parameters()]

@@ -9,7 +9,7 @@ set -u
 : "${OUT:?set OUT}" "${DOS_GIT_SHA:?set DOS_GIT_SHA: the git HEAD of the device copy is stale}"
 B=${BATCH:-$(date -u +%Y%m%dT%H%MZ)}
 { nvidia-smi --query-gpu=name,uuid --format=csv,noheader; cat /proc/sys/kernel/random/boot_id; echo "code $DOS_GIT_SHA"; } > $OUT/machine.txt
-timeout 150 python -m pytest -q tests/test_uploads.py tests/test_gpu_races.py -k "upload or no_race" \
+timeout 240 python -m pytest -q tests/test_uploads.py tests/test_gpu_races.py \
   > $OUT/pytest-uploads.log 2>&1; tail -3 $OUT/pytest-uploads.log
 BATCH_ID=$B-upload-thread-ab timeout 200 python experiments/scripts/upload_thread_ab.py $OUT/upload-thread-ab.csv \
   > $OUT/upload-thread-ab.log 2>&1; tail -14 $OUT/upload-thread-ab.log
