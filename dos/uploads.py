@@ -16,8 +16,9 @@ Invariants (why the hand-offs still hold, dos/lanes.py):
 - uploads whose events a later host action needs at once (the gradient ring's next D2H into the
   same slot; updates overlapped with backward) stay on the calling thread (`Lanes._cpu`).
 `torch.Tensor.copy_` and the CPU kernel (`torch.ops.dos.*`) release the GIL (checked on the CPU
-build), so the helper's copy call overlaps the next update's Python and kernel. On by default on
-CUDA (`enabled`; DOS_UPLOAD_THREAD=0 issues every upload on the calling thread, as before).
+build), so the helper's copy call overlaps the next update's Python and kernel. Opt-in
+(DOS_UPLOAD_THREAD=1, `enabled`): on the GPU it was correct and no faster (below); otherwise every
+upload is issued on the calling thread.
 """
 from __future__ import annotations
 
@@ -30,17 +31,17 @@ import torch
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether the CPU lane's uploads to `device` go through the helper thread: on CUDA unless
-    DOS_UPLOAD_THREAD=0; DOS_UPLOAD_THREAD=1 forces it (also on a CPU device, where the "upload"
-    is a small memcpy and a hand-off costs more, ~30 us on the 2-core CI machine: the CPU tests
-    run the threaded path so). Gated on the GPU race tests with the thread and its A/B
-    (experiments/scripts/upload_thread_gate.sh; docs/DESIGN.md decision log 2026-12-07)."""
+    """Whether the CPU lane's uploads to `device` go through the helper thread: only with
+    DOS_UPLOAD_THREAD=1 (also on a CPU device, where the CPU tests run the threaded path).
+    Measured on an H100 machine (session 35, experiments/scripts/upload_thread_gate.sh, batch
+    20261207T1431Z-s35-upload-thread-ab; docs/DESIGN.md decision log 2026-12-07): the race tests
+    with it passed (50), but the all-CPU step was no shorter, fp32 0.2255 s against 0.2248 inline,
+    bf16-split 0.1680 against 0.1681 (1.0 B parameters, 3 rounds); the copy call itself took
+    14-23 us there, not the ~130 us seen beside the kernel in session 34. So it stays off."""
     env = os.environ.get("DOS_UPLOAD_THREAD", "")
-    if env in ("0", "1"):
+    if env in ("", "0", "1"):
         return env == "1"
-    if env:
-        raise ValueError(f"DOS_UPLOAD_THREAD must be 0 or 1, got {env!r}")
-    return device.type == "cuda"
+    raise ValueError(f"DOS_UPLOAD_THREAD must be 0 or 1, got {env!r}")
 
 
 class UploadThread:

@@ -55,7 +55,7 @@ def test_the_thread_ends_with_its_owner():
     assert not t.is_alive()
 
 
-@pytest.mark.parametrize("env,device,on", [("", "cpu", False), ("", "cuda", True), ("0", "cuda", False),
+@pytest.mark.parametrize("env,device,on", [("", "cpu", False), ("", "cuda", False), ("0", "cuda", False),
                                            ("0", "cpu", False), ("1", "cpu", True), ("1", "cuda", True)])
 def test_enabled(monkeypatch, env, device, on):
     monkeypatch.setenv("DOS_UPLOAD_THREAD", env)

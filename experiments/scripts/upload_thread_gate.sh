@@ -2,14 +2,19 @@
 # One device call that decides what the rest of the session's device time measures:
 #   DOS_GIT_SHA=<sha> BATCH=<batch prefix> bash experiments/scripts/upload_thread_gate.sh
 # 1. experiments/scripts/upload_thread_check.sh (the race tests with the CPU lane's upload thread,
-#    dos/uploads.py, on by default on CUDA since this script's commit; its A/B; the copy call's
-#    cost), its files packed into $OUT/upload-check.tar.gz (a call returns at most 8 files).
+#    dos/uploads.py; its A/B; the copy call's cost), its files packed into
+#    $OUT/upload-check.tar.gz (a call returns at most 8 files).
 # 2. The gate: every test passed, and in the A/B the thread's median step is shorter than the
 #    inline uploads' in both formats (fp32, bf16-split). Printed as PASS or MISS.
 # 3. PASS: a daemon (h200_daemon.sh) starts issue 17 criterion 3's batches on this commit, 3B then
 #    ~5B (state-dtype-speed.yaml, moments fp32 / bf16-split, the baselines). MISS: it starts issue
 #    15's planner-wide-4b batch with DOS_UPLOAD_THREAD=0 (the inline uploads that the earlier
-#    batches ran), and this commit's default is to be reverted. Later calls: h200_daemon.sh wait.
+#    batches ran). Later calls: h200_daemon.sh wait.
+# Ran 2026-12-07 (session 35, code ac9d371, where the thread was on by default on CUDA: an H100
+# machine GPU-4fd25794 boot d44a4320): tests 50 passed, the thread no faster (fp32 0.2255 s against
+# 0.2248, bf16-split 0.1680 against 0.1681): MISS, so planner-wide-4b ran (21 runs, complete) and
+# the default went back to off (docs/DESIGN.md decision log 2026-12-07;
+# experiments/results/gpu-tests/20261207-s35-NOTES.md).
 set -u
 : "${OUT:?set OUT}" "${DOS_GIT_SHA:?set DOS_GIT_SHA}" "${BATCH:?set BATCH (a UTC prefix)}"
 mkdir -p /tmp/upcheck
