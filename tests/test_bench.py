@@ -236,6 +236,7 @@ def test_dos_system_describes_plan_and_lanes():
     d = system.describe()
     assert d["plan"]["placement"] == "interleaved" and d["plan"]["n_subgroups"] > 1
     assert 13 < d["host_bytes_per_param"] < 16 and d["cpu_impl"]
+    assert d["config"]["upload_thread"] is False  # dos.uploads: off unless DOS_UPLOAD_THREAD=1
     assert isinstance(system.timeline(), list)
     assert losses[-1] < losses[0]
 
