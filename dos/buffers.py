@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import state_kernels
+from . import pages, state_kernels
 from .partition import Layout
 from .plan import RESIDENT
 from .state_format import StateFormat, scratch_numel, set_master_
@@ -183,6 +184,7 @@ class HostArena:
             self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults and faster pinning
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._registered: List[int] = []
+        self.pin_record: Optional[dict] = None  # pin(): bytes, prefault, prefault_s, register_s
         if pin and blocks:
             self.pin()
         self.state: Dict[int, torch.Tensor] = {}  # uint8, fmt.nbytes(n): fmt.views(state, n)
@@ -208,11 +210,17 @@ class HostArena:
             v = self._views[s] = self.fmt.views(self.state[s], self.blocks[s].numel)
         return v
 
-    def pin(self) -> None:
-        """Page-lock every block (in parallel threads). Resident-first sizing (dos.planner) pins
-        only the blocks left once the resident share is known."""
+    def pin(self, prefault: Optional[str] = "touch") -> None:
+        """Page-lock every block (in parallel threads), after faulting their pages in, also in
+        parallel (`prefault`: "touch", "madvise" or None, dos/pages.py; registration would
+        otherwise fault them in under the driver's global lock). Called before anything else
+        reads or writes the blocks (construction; resident-first sizing, dos.residency, pins only
+        the blocks left once the resident share is known). How long each part took: `pin_record`."""
+        if prefault not in ("touch", "madvise", None):
+            raise ValueError(f"prefault must be 'touch', 'madvise' or None, got {prefault!r}")
         base = self.bytes.data_ptr()
         cudart = _cudart()
+        t0 = time.perf_counter()
 
         def register(span: Tuple[int, int]) -> int:
             offset, nbytes = span
@@ -224,8 +232,15 @@ class HostArena:
         spans = [(b.offset, b.nbytes) for b in self.blocks.values()]
         if self._ring_span and self._ring_span[1]:
             spans.append(self._ring_span)
+        if prefault == "touch":
+            for o, n in spans:
+                pages.touch(self.bytes[o: o + n])
+        populated = prefault == "touch" or (prefault == "madvise" and pages.populate([(base + o, n) for o, n in spans]))
+        t1 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
             self._registered = list(pool.map(register, spans))
+        self.pin_record = {"bytes": sum(n for _, n in spans), "prefault": prefault, "prefaulted": bool(populated),
+                           "prefault_s": round(t1 - t0, 3), "register_s": round(time.perf_counter() - t1, 3)}
 
     def release(self, s: int) -> None:
         """Give subgroup s's block back to the OS (its state now lives on the GPU). The caller

@@ -273,11 +273,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Everything a run record needs to know about this optimizer."""
         return {"plan": self.plan.to_record(), "config": self.config.to_record(),
                 "cpu_impl": adam.cpu_impl(), "host_bytes": self.host_bytes,
-                "state_dtype": self.state_format.name,
+                "state_dtype": self.state_format.name, "upload_thread": self._lanes.uploader is not None,
                 "device_state_impl": state_kernels.impl_name(self._dev.scratch, self.state_format.name),
                 "host_bytes_per_param": round(self.host_bytes_per_param, 4),
-                "n_params": self.layout.n_params, "online": self.online_record(),
-                "upload_thread": self._lanes.uploader is not None,  # dos/uploads.py
+                "n_params": self.layout.n_params, "online": self.online_record(), "host_pin": self._host.pin_record,
                 "clients": self.binding.track.record(),  # dos.params: re-sends, re-syncs, skips
                 # ranks sharing this host (FSDP2 / DDP): the calibration they plan with (§3.4)
                 **({"calibration": self.planner.calibration_record()}

@@ -117,7 +117,8 @@ class DosSystem(_Base):
         cfg = {"engine": d["config"], **({"fsdp2": self.sharded} if self.sharded else {}),
                "clients": d["clients"], "clip_by": self.spec.clip_by,  # re-sends, deferred steps
                "device_state_impl": d.get("device_state_impl"),  # dos.state_kernels.impl_name
-               "upload_thread": d.get("upload_thread")}  # dos.uploads (DOS_UPLOAD_THREAD)
+               "upload_thread": d.get("upload_thread"),  # dos.uploads (DOS_UPLOAD_THREAD)
+               "host_pin": d.get("host_pin")}  # HostArena.pin: bytes, prefault, prefault_s, register_s
         return {"plan": d["plan"], "config": cfg, "state_dtype": d.get("state_dtype", "fp32"),
                 "predicted_step_s": d["plan"]["predicted_step_s"], "cpu_impl": d["cpu_impl"],
                 "host_bytes_per_param": d["host_bytes_per_param"], "online": d["online"]}
