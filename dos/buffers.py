@@ -210,14 +210,18 @@ class HostArena:
             v = self._views[s] = self.fmt.views(self.state[s], self.blocks[s].numel)
         return v
 
-    def pin(self, prefault: Optional[str] = "touch") -> None:
+    def pin(self, prefault: Optional[str] = "env") -> None:
         """Page-lock every block (in parallel threads), after faulting their pages in, also in
         parallel (`prefault`: "touch", "madvise" or None, dos/pages.py; registration would
-        otherwise fault them in under the driver's global lock). Called before anything else
-        reads or writes the blocks (construction; resident-first sizing, dos.residency, pins only
-        the blocks left once the resident share is known). How long each part took: `pin_record`."""
+        otherwise fault them in under the driver's global lock; "env": DOS_PIN_PREFAULT, default
+        "touch", "none" for None). Called before anything else reads or writes the blocks
+        (construction; resident-first sizing, dos.residency, pins only the blocks left once the
+        resident share is known). How long each part took: `pin_record`."""
+        if prefault == "env":
+            prefault = os.environ.get("DOS_PIN_PREFAULT", "touch")
+            prefault = None if prefault == "none" else prefault
         if prefault not in ("touch", "madvise", None):
-            raise ValueError(f"prefault must be 'touch', 'madvise' or None, got {prefault!r}")
+            raise ValueError(f"prefault (DOS_PIN_PREFAULT) must be touch, madvise or none, got {prefault!r}")
         base = self.bytes.data_ptr()
         cudart = _cudart()
         t0 = time.perf_counter()

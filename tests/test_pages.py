@@ -144,3 +144,18 @@ def test_pin_rejects_an_unknown_prefault(monkeypatch):
                       {0: torch.bfloat16}, pin=False)
     with pytest.raises(ValueError, match="prefault"):
         arena.pin(prefault="yes")
+
+
+@pytest.mark.parametrize("env,way", [(None, "touch"), ("touch", "touch"), ("madvise", "madvise"), ("none", None)])
+def test_pin_takes_its_default_from_the_environment(monkeypatch, env, way):
+    monkeypatch.setattr(buffers, "_cudart", FakeCudart)
+    if env is None:
+        monkeypatch.delenv("DOS_PIN_PREFAULT", raising=False)
+    else:
+        monkeypatch.setenv("DOS_PIN_PREFAULT", env)
+    arena = HostArena({0: Block(offset=0, numel=10, grad_offset=64, nbytes=4096)}, 4096,
+                      {0: torch.bfloat16}, pin=True)  # the engine's way: pin() with no argument
+    assert arena.pin_record["prefault"] == way
+    monkeypatch.setenv("DOS_PIN_PREFAULT", "always")
+    with pytest.raises(ValueError, match="DOS_PIN_PREFAULT"):
+        arena.pin()
