@@ -568,3 +568,19 @@ def test_batch_columns_place_a_script_row_in_its_batch(monkeypatch):
         assert cols["gpu_uuid"] == "" == records.gpu_uuid()
     else:
         assert cols["gpu_uuid"].startswith("GPU-")
+
+
+def test_script_rows_append_under_one_header(tmp_path):
+    from dos.lab.bench import records
+
+    out = tmp_path / "runs.csv"
+    records.append_script_rows(out, [{"a": 1, "b": 2}, {"a": 3, "b": 4}])
+    records.append_script_rows(out, [{"a": 5, "b": 6}])  # a later call adds rows, no second header
+    assert out.read_text().splitlines() == ["a,b", "1,2", "3,4", "5,6"]
+    with pytest.raises(ValueError, match="write a new file"):  # never a row under another schema
+        records.append_script_rows(out, [{"a": 7, "c": 8}])
+    with pytest.raises(ValueError, match="same columns"):
+        records.append_script_rows(tmp_path / "x.csv", [{"a": 1}, {"b": 2}])
+    with pytest.raises(ValueError, match="no rows"):
+        records.append_script_rows(tmp_path / "y.csv", [])
+    assert out.read_text().splitlines()[-1] == "5,6" and not (tmp_path / "x.csv").exists()

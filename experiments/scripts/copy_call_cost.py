@@ -3,10 +3,10 @@ engine the upload's copy_ call took 120-140 us of the CPU lane's main thread per
 
     python experiments/scripts/copy_call_cost.py OUT.csv
 """
-import csv, mmap, os, statistics, sys, time
+import mmap, os, statistics, sys, time
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from dos.lab.bench.records import batch_columns  # noqa: E402
+from dos.lab.bench.records import append_script_rows, batch_columns  # noqa: E402
 
 
 def registered(nbytes):
@@ -40,11 +40,7 @@ def main(out):
                              "median_us": round(statistics.median(ts[5:]) * 1e6, 2), "min_us": round(min(ts[5:]) * 1e6, 2)})
                 print(rows[-1])
     base = batch_columns()
-    with open(out, "a", newline="") as f:
-        w = csv.DictWriter(f, list(base) + list(rows[0]))
-        if f.tell() == 0:
-            w.writeheader()
-        w.writerows([{**base, **r} for r in rows])
+    append_script_rows(out, [{**base, **r} for r in rows])
 
 
 if __name__ == "__main__":

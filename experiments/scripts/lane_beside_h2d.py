@@ -13,7 +13,6 @@ alternate per repetition (alone, beside, alone, ...), medians over R repetitions
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dos.lab.bench import kernel  # noqa: E402
-from dos.lab.bench.records import boot_id, git_sha, gpu_uuid, now_iso  # noqa: E402
+from dos.lab.bench.records import append_script_rows, boot_id, git_sha, gpu_uuid, now_iso  # noqa: E402
 
 
 class CopyStream:
@@ -97,12 +96,7 @@ def main(argv=None):
             rows.append({**base, "impl": i.name, "condition": cond, "bytes_per_param": i.bytes_per_param,
                          "median_s": round(med, 5), "min_s": round(min(ts), 5), "max_s": round(max(ts), 5),
                          "gparams_per_s": round(a.params / med / 1e9, 4)})
-    new = not os.path.exists(a.out)
-    with open(a.out, "a", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    append_script_rows(a.out, rows)
     for r in rows:
         print(f"{r['impl']:<18} {r['condition']:<11} {r['gparams_per_s']:7.3f} G/s  ({r['min_s']}-{r['max_s']} s)")
     print(f"H2D beside the kernels: median {base['h2d_gbs_median']} GB/s")

@@ -19,7 +19,6 @@ Rows (one per kernel and way) append to OUT.csv with $BATCH_ID, the GPU UUID and
 from __future__ import annotations
 
 import argparse
-import csv
 import mmap
 import os
 import statistics
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dos import split_master as sm  # noqa: E402
 from dos.adam import cpu_adamw_, cpu_split_step_  # noqa: E402
 from dos.lab.bench.kernel import HP, _fill, _next  # noqa: E402
-from dos.lab.bench.records import batch_columns  # noqa: E402
+from dos.lab.bench.records import append_script_rows, batch_columns  # noqa: E402
 
 
 def arena(nbytes: int) -> torch.Tensor:
@@ -137,12 +136,7 @@ def main(argv=None):
              "first_calls_gparams_per_s": _med(per_call[(k, w, c)][0]),
              "later_calls_gparams_per_s": _med(per_call[(k, w, c)][1]),
              "copy_call_us": _med([x * 1e6 for x in launch[(k, w, c)]])} for (k, w, c), ts in times.items()]
-    new = not os.path.exists(a.out)
-    with open(a.out, "a", newline="") as f:
-        wr = csv.DictWriter(f, list(rows[0]))
-        if new:
-            wr.writeheader()
-        wr.writerows(rows)
+    append_script_rows(a.out, rows)
     for r in rows:
         print(f"{r['kernel']:<6} {r['memory']:<6} {r['calls']:<10} {r['gparams_per_s']:7.3f} G/s"
               f"  first/later calls {r['first_calls_gparams_per_s'] or '-'} / {r['later_calls_gparams_per_s'] or '-'}")

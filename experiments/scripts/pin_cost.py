@@ -7,11 +7,11 @@ None in turn (rotating: none always first), each in a new mapping.
 Rows (one per arena) append to OUT.csv with $BATCH_ID, the GPU UUID and the boot id: the bytes,
 the prefault way, whether it prefaulted, prefault_s / register_s (HostArena.pin_record).
 """
-import argparse, csv, os, sys, time
+import argparse, os, sys, time
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dos.buffers import Block, HostArena  # noqa: E402
-from dos.lab.bench.records import batch_columns  # noqa: E402
+from dos.lab.bench.records import append_script_rows, batch_columns  # noqa: E402
 
 
 def arena(gib: float, block_mib: int) -> HostArena:
@@ -42,11 +42,7 @@ def main(argv=None):
             print(rows[-1], flush=True)
             h.close()
             del h
-    with open(a.out, "a", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        if f.tell() == 0:
-            w.writeheader()
-        w.writerows(rows)
+    append_script_rows(a.out, rows)
 
 
 if __name__ == "__main__":

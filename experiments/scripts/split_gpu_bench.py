@@ -7,7 +7,6 @@ and weights out; split 18: its weights are hi, written once).
     python experiments/scripts/split_gpu_bench.py [--n 400000000] [--reps 10] [--out FILE]
 """
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -18,6 +17,7 @@ import torch
 from dos import split_master as sm
 from dos import state_format as sf
 from dos import state_kernels
+from dos.lab.bench.records import append_script_rows
 
 HP = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -69,12 +69,7 @@ def main():
                      "git_sha": os.environ.get("DOS_GIT_SHA", ""), "torch": torch.__version__,
                      "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         print(rows[-1], flush=True)
-    new = not os.path.exists(a.out)
-    with open(a.out, "a", newline="") as f:
-        wr = csv.DictWriter(f, list(rows[0]))
-        if new:
-            wr.writeheader()
-        wr.writerows(rows)
+    append_script_rows(a.out, rows)
 
 
 if __name__ == "__main__":

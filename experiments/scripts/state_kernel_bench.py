@@ -13,7 +13,6 @@ micro-benchmark, not a run of the engine: the engine's update phase is in the sw
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dos import adam, state_kernels  # noqa: E402
 from dos import state_format as sf  # noqa: E402
+from dos.lab.bench.records import append_script_rows  # noqa: E402
 
 MIN_BYTES = {"fp32": 28, "bf16": 20, "int8": 16}  # per element: grad 2, master 8, moments, weights 2
 
@@ -86,12 +86,7 @@ def main():
                  git_sha=os.environ.get("DOS_GIT_SHA", ""), timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         rows.append(r)
         print(r, flush=True)
-    new = not os.path.exists(a.out)
-    with open(a.out, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    append_script_rows(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ optimizers (thread on/off x fp32/bf16-split) step in round-robin rounds of S tim
 2 warm-up steps; rows (one per optimizer and round: median step seconds) append to OUT.csv with
 $BATCH_ID, the GPU UUID and the boot id.
 """
-import argparse, csv, os, statistics, sys, time
+import argparse, os, statistics, sys, time
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import dos  # noqa: E402
-from dos.lab.bench.records import batch_columns  # noqa: E402
+from dos.lab.bench.records import append_script_rows, batch_columns  # noqa: E402
 
 
 def main(argv=None):
@@ -55,11 +55,7 @@ def main(argv=None):
             rows.append({**base, "round": r, "upload_thread": k[0], "state_dtype": k[1],
                          "step_s_median": round(statistics.median(ts), 5), "step_s_min": round(min(ts), 5)})
             print(rows[-1]["round"], k, rows[-1]["step_s_median"], flush=True)
-    with open(a.out, "a", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        if f.tell() == 0:
-            w.writeheader()
-        w.writerows(rows)
+    append_script_rows(a.out, rows)
 
 
 if __name__ == "__main__":

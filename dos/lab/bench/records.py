@@ -86,6 +86,28 @@ def batch_columns() -> dict:
             "gpu_uuid": gpu_uuid(), "boot_id": boot_id()}
 
 
+def append_script_rows(path, rows: List[dict]) -> None:
+    """Append a measurement script's rows (dicts with the same keys, in order) to its CSV: the
+    header when the file is new or empty; an existing header must match (records are appended
+    to, never rewritten, so a script whose columns changed writes a new file)."""
+    if not rows:
+        raise ValueError("no rows to append")
+    cols = list(rows[0])
+    if any(list(r) != cols for r in rows):
+        raise ValueError("every row must have the same columns, in the same order")
+    path = Path(path)
+    if path.exists() and path.stat().st_size:
+        with open(path, newline="") as f:
+            head = next(csv.reader(f), [])
+        if head != cols:
+            raise ValueError(f"{path} has columns {head}, these rows {cols}: write a new file")
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, cols)
+        if f.tell() == 0:
+            w.writeheader()
+        w.writerows(rows)
+
+
 def git_sha() -> str:
     """Commit of the working tree ('-dirty' when tracked files other than records have changes);
     DOS_GIT_SHA where there is no .git."""
