@@ -5,7 +5,8 @@
 # (SPEC as h200_call.sh's, e.g. "experiments/sweeps/planner-7b-40g.yaml#+<BATCH_ID>"). Later calls:
 # `bash experiments/scripts/h200_daemon.sh wait 560`.
 # 1. experiments/scripts/pin_cost.py: 16 GiB arenas, touch / madvise / none in turn, 3 rounds;
-#    tests/test_gpu_races.py + tests/test_pages.py with the default (touch). Packed into
+#    tests/test_pages.py and the race tests of a pinned arena (random delays on every stream; the
+#    arena pinned and exact) with the default (touch), ~1 min. Packed into
 #    $OUT/pin-check.tar.gz (a call returns at most 8 files).
 # 2. The way: the fastest median pin_s among those that prefaulted (touch, madvise) if it beats
 #    none's, else none; a failed test: none (the registration as before). Printed, and given to
@@ -17,7 +18,8 @@ C=/tmp/pincheck; rm -rf $C; mkdir -p $C
 { nvidia-smi --query-gpu=name,uuid --format=csv,noheader; cat /proc/sys/kernel/random/boot_id; uname -r; echo "code $DOS_GIT_SHA"; } > $C/machine.txt
 BATCH_ID=${PIN_BATCH:-$(date -u +%Y%m%dT%H%MZ)-pin-cost} timeout 120 python experiments/scripts/pin_cost.py $C/pin-cost.csv \
   > $C/pin-cost.log 2>&1; tail -9 $C/pin-cost.log
-timeout 200 python -m pytest -q tests/test_gpu_races.py tests/test_pages.py > $C/pytest.log 2>&1; tail -2 $C/pytest.log
+timeout 150 python -m pytest -q tests/test_pages.py tests/test_gpu_races.py -k "pages or pinned_and_exact or random_delays" \
+  > $C/pytest.log 2>&1; tail -2 $C/pytest.log
 (cd $C && tar -czf $OUT/pin-check.tar.gz .)
 way=$(python - <<'PY'
 import csv, re, statistics
