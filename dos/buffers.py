@@ -237,7 +237,7 @@ class HostArena:
         if self._ring_span and self._ring_span[1]:
             spans.append(self._ring_span)
         if prefault == "touch":
-            for o, n in spans:
+            for o, n in pages.runs(spans):
                 pages.touch(self.bytes[o: o + n])
         populated = prefault == "touch" or (prefault == "madvise" and pages.populate([(base + o, n) for o, n in spans]))
         t1 = time.perf_counter()

@@ -33,6 +33,12 @@ def rss_bytes() -> int:
     raise AssertionError("no VmRSS")
 
 
+def test_runs_merge_blocks_laid_end_to_end_and_keep_gaps():
+    assert pages.runs([(8192, 4096), (0, 4096), (4096, 4096), (20480, 4096), (12288, 0)]) == [
+        (0, 12288), (20480, 4096)]
+    assert pages.runs([]) == []
+
+
 def test_chunks_cover_each_span_in_order():
     assert pages.chunks([(0, 10), (100, 3)], size=4) == [(0, 4), (4, 4), (8, 2), (100, 3)]
     assert pages.chunks([(0, 8)], size=4) == [(0, 4), (4, 4)]
@@ -127,7 +133,7 @@ def test_pin_prefaults_then_registers_every_block(monkeypatch, prefault):
     base = arena.bytes.data_ptr()
     spans = [(base, 16384), (base + 16384, 16384)]
     assert sorted(fake.registered) == spans
-    assert seen == {"touch": spans if prefault == "touch" else [],
+    assert seen == {"touch": [(base, 32768)] if prefault == "touch" else [],  # the two blocks: one run
                     "madvise": [spans] if prefault == "madvise" else []}
     rec = arena.pin_record
     assert rec["bytes"] == 32768 and rec["prefault"] == prefault
@@ -159,3 +165,18 @@ def test_pin_takes_its_default_from_the_environment(monkeypatch, env, way):
     monkeypatch.setenv("DOS_PIN_PREFAULT", "always")
     with pytest.raises(ValueError, match="DOS_PIN_PREFAULT"):
         arena.pin()
+
+
+def test_pin_touches_no_released_block(monkeypatch):
+    """A released block (resident-first sizing gives it back before pinning) is a gap: touching it
+    would take its memory back from the OS."""
+    monkeypatch.setattr(buffers, "_cudart", FakeCudart)
+    seen = []
+    touch = pages.touch
+    monkeypatch.setattr(pages, "touch", lambda t: seen.append((t.data_ptr(), t.numel())) or touch(t))
+    blocks = {s: Block(offset=s * 4096, numel=10, grad_offset=64, nbytes=4096) for s in range(3)}
+    arena = HostArena(blocks, 3 * 4096, {s: torch.bfloat16 for s in blocks}, pin=False)
+    arena.release(1)
+    arena.pin(prefault="touch")
+    base = arena.bytes.data_ptr()
+    assert seen == [(base, 4096), (base + 8192, 4096)]
