@@ -584,3 +584,30 @@ def test_script_rows_append_under_one_header(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         records.append_script_rows(tmp_path / "y.csv", [])
     assert out.read_text().splitlines()[-1] == "5,6" and not (tmp_path / "x.csv").exists()
+
+
+def test_init_profile_leaves_waits_on_other_threads_out():
+    """A pool's wait ranked first in every dos row's init_profile and pushed the engine's parts
+    out of the list: waits are not work."""
+    import time as _time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dos.lab.bench import run
+
+    def work():
+        t = _time.perf_counter()
+        while _time.perf_counter() - t < 0.05:
+            pass
+
+    def waits_on_a_pool():
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda _: _time.sleep(0.1), range(2)))
+
+    res = {}
+    with run._profiled(res, "p"):
+        work()
+        waits_on_a_pool()
+    labels = list(res["p"])
+    assert any("(work)" in k for k in labels) and any("(waits_on_a_pool)" in k for k in labels)
+    assert not any(run._is_wait(k) for k in labels)
+    assert not any(k.startswith(("threading.py:", "_base.py:")) for k in labels)
