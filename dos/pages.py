@@ -8,11 +8,13 @@ allocator does the same as here for the same reason (CachingHostAllocator: pre-f
 then register, "to minimize the cost for the cuda global lock"). Two ways:
 - `touch(t)`: one byte of every page read and written back unchanged (`add_(0)` on a strided
   view, torch's intra-op threads); contents kept as long as nothing else writes the memory
-  meanwhile (the arena's callers pin before anything else touches it). 1 GiB in ~0.06 s on this
-  2-core machine with transparent huge pages.
+  meanwhile (the arena's callers pin before anything else touches it). What PyTorch does too, so
+  the default. 10-19 GB/s on this 2-core machine with transparent huge pages (fresh 0.5-4 GiB
+  mappings; the first mapping of a process much slower).
 - `populate(spans)`: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+), contents kept whatever else
-  runs, in parallel threads (ctypes releases the GIL); 0.6-5 GB/s on the same machine, so not the
-  default. Where the kernel lacks it, it returns False and registration faults the pages itself.
+  runs, in parallel threads (ctypes releases the GIL); 0.6-17 GB/s on the same machine, by size and
+  run. Where the kernel lacks it, it returns False and registration faults the pages itself.
+Which is faster on the device is measured there (experiments/scripts/pin_cost.py, pin_gate.sh).
 """
 from __future__ import annotations
 
