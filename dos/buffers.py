@@ -239,11 +239,11 @@ class HostArena:
         if prefault == "touch":
             for o, n in pages.runs(spans):
                 pages.touch(self.bytes[o: o + n])
-        populated = prefault == "touch" or (prefault == "madvise" and pages.populate([(base + o, n) for o, n in spans]))
+        prefaulted = prefault == "touch" or (prefault == "madvise" and pages.populate([(base + o, n) for o, n in spans]))
         t1 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
             self._registered = list(pool.map(register, spans))
-        self.pin_record = {"bytes": sum(n for _, n in spans), "prefault": prefault, "prefaulted": bool(populated),
+        self.pin_record = {"bytes": sum(n for _, n in spans), "prefault": prefault, "prefaulted": bool(prefaulted),
                            "prefault_s": round(t1 - t0, 3), "register_s": round(time.perf_counter() - t1, 3)}
 
     def release(self, s: int) -> None:

@@ -3,8 +3,8 @@
 In `step()` the CPU lane's thread is the CPU kernel's OpenMP master: while it issues a subgroup's
 upload (`copy_` of its new weights to the GPU, non-blocking) the kernel's other threads wait for
 the next subgroup. On an H100 machine's host (session 34) that call took 120-140 us of host time
-per 50M-element subgroup (experiments/results/lane-memory, docs/DESIGN.md decision log
-2026-12-07): ~9 ms of a 3B all-CPU step. `UploadThread.submit(fn)` runs `fn` (the upload stage:
+per 50M-element subgroup beside the running kernel (experiments/results/lane-memory; alone
+14-23 us, experiments/results/copy-call, session 35; docs/DESIGN.md decision log 2026-12-07). `UploadThread.submit(fn)` runs `fn` (the upload stage:
 its stream waits, the copy, its event) on one helper thread, in submission order, and returns at
 once; `join()` waits until every submitted one has run and re-raises the first error.
 

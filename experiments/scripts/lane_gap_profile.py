@@ -45,7 +45,12 @@ class Timers:
                     if self.last_kernel_end is not None:
                         self.t["gap"].append(t0 - self.last_kernel_end)
                     self.last_kernel_end = t1
-        setattr(obj, name, timed)
+        return self.replace(obj, name, timed)
+
+    def replace(self, obj, name, new):
+        """obj.name = new until `undo`; the original."""
+        f = getattr(obj, name)
+        setattr(obj, name, new)
         self._undo.append(lambda: setattr(obj, name, f))
         return f
 
@@ -76,8 +81,8 @@ def main(argv=None):
         tm.wrap(L.sync, "host_wait", "host_wait")
         tm.wrap(L.tl, "host", "span")
         tm.wrap(L, "_upload", "upload")
-        param = tm.wrap(L.dev, "param", "param")  # the upload's destination view: its copy_ timed
-        L.dev.param = lambda layout, s, _p=param: _Dst(_p(layout, s), tm)
+        param = L.dev.param  # the upload's destination view: its copy_ timed (_Dst)
+        tm.replace(L.dev, "param", lambda layout, s: _Dst(param(layout, s), tm))
         for _ in range(2):
             opt.step()
         steps = []
