@@ -44,6 +44,9 @@ export HF_HUB_OFFLINE=1
 # call's results archive to 20 extra files copied there.
 # Wheels: carry `.whl` (all of gpu-wheels.sh's and the notebooks') or, where the checkout and it
 # exceed the device's 64 MiB, `.whl-base` (DeepSpeed, its pure-Python deps and torchao: ~8 MiB).
+# `python experiments/scripts/device_tree.py size --carry .whl` says first (free); over it,
+# `device_tree.py slim` leaves the runs' folders out of the checkout (full: back) — session 36:
+# 58.7 MiB + 8.0 of wheels refused.
 # Installed once per machine: a warm machine keeps /tmp/site, and reinstalling gives DeepSpeed's
 # C++ sources new mtimes, so that the first DeepSpeed run of every call rebuilt cpu_adam with ninja
 # (42-51 s of its init, in each of session 12's four calls: `init_profile` in result.json).
