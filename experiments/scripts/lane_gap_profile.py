@@ -9,7 +9,8 @@ host microseconds per subgroup.
 
 Parts: `host_wait` (the gradient's D2H and write-back events), `kernel` (adam.cpu_state_step_:
 the update itself), `span` (the timeline's host span), `upload` (the whole upload stage) and
-inside it `copy` (the copy_ call), and `gap` (from one update's end to the next one's start). One
+inside it `copy` (the copy_ call), `record` (an event record) and `on` (a stream switch: its
+enter and exit), and `gap` (from one update's end to the next one's start). One
 row per state format and part, with $BATCH_ID, the GPU UUID and the boot id.
 """
 import argparse, collections, os, statistics, sys, time
@@ -81,6 +82,9 @@ def main(argv=None):
         tm.wrap(L.sync, "host_wait", "host_wait")
         tm.wrap(L.tl, "host", "span")
         tm.wrap(L, "_upload", "upload")
+        tm.wrap(L.sync, "record", "record")  # event records: a stage's start and end, the grads'
+        on = L.sync.on  # the stream switch, entered and left (timed together)
+        tm.replace(L.sync, "on", lambda name: _TimedCtx(on(name), tm))
         param = L.dev.param  # the upload's destination view: its copy_ timed (_Dst)
         tm.replace(L.dev, "param", lambda layout, s: _Dst(param(layout, s), tm))
         for _ in range(2):
@@ -108,6 +112,26 @@ def main(argv=None):
         opt.close()
         del opt, ps
     append_script_rows(a.out, rows)
+
+
+class _TimedCtx:
+    """A context manager whose enter and exit are timed together as part `on`."""
+
+    def __init__(self, ctx, tm):
+        self._ctx, self._tm, self._dt = ctx, tm, 0.0
+
+    def __enter__(self):
+        t0 = time.perf_counter()
+        out = self._ctx.__enter__()
+        self._dt = time.perf_counter() - t0
+        return out
+
+    def __exit__(self, *exc):
+        t0 = time.perf_counter()
+        out = self._ctx.__exit__(*exc)
+        if self._tm.on:
+            self._tm.t["on"].append(self._dt + time.perf_counter() - t0)
+        return out
 
 
 class _Dst:
