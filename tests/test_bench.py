@@ -148,6 +148,39 @@ def test_timing_protocol_medians_and_markers():
     assert all(a <= b for _, _, a, b in clock.markers)
 
 
+def test_timing_records_the_host_side_of_each_phase():
+    """Per phase: issue time up to the synchronization, the main thread's CPU time over it (a
+    sleeping phase's is below its issue time: the thread waited), context switches, GC pauses
+    (a collection in backward, none elsewhere); the probe's gc callback is removed afterwards."""
+    import gc
+
+    class Collecting(_Fake):
+        def backward(self, loss):
+            junk = [[i] for i in range(1000)]
+            junk.append(junk)  # a cycle: only the collector frees it
+            del junk
+            gc.collect()
+
+    before, was = list(gc.callbacks), gc.isenabled()
+    gc.disable()  # no automatic collection in another phase: only backward's gc.collect()
+    try:
+        times = timing.run_steps(Collecting(), [torch.ones(1, 4)], warmup=0, steps=3,
+                                 device=torch.device("cpu"), clock=timing.Clock())
+    finally:
+        if was:
+            gc.enable()
+    assert gc.callbacks == before
+    for t in times:
+        assert 0 <= t.fwd_issue_s <= t.fwd_s and 0 <= t.bwd_issue_s <= t.bwd_s
+        assert 0 <= t.step_issue_s <= t.step_s
+        assert t.fwd_cpu_s <= t.fwd_issue_s  # sleeping: the thread's CPU time falls behind
+        assert t.bwd_gc_s > 0 and t.fwd_gc_s == 0 and t.step_gc_s == 0
+        if sys.platform == "linux":
+            assert min(t.fwd_nivcsw, t.bwd_nivcsw, t.step_nivcsw) >= 0
+    rows = timing.step_rows(times)
+    assert {"fwd_issue_s", "bwd_cpu_s", "step_nivcsw", "bwd_gc_s"} <= set(rows[0])
+
+
 def test_sampler_without_nvml_records_host_and_absent(tmp_path):
     t0 = time.perf_counter()
     s = Sampler(t0, hz=100, gpu_index=0)  # no NVML library / driver on CI machines
