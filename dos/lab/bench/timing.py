@@ -90,6 +90,7 @@ class _HostProbe:
     """The host side of one phase (module docstring): started at the phase's start, `issued()`
     right before its synchronization; `gc_s` sums the collector's pauses (gc.callbacks) since."""
 
+    FIELDS = ("issue_s", "cpu_s", "nivcsw", "gc_s")  # issued()'s, as StepTime's `<phase>_<field>`
     _who = getattr(resource, "RUSAGE_THREAD", None)  # Linux: this thread's counters only
 
     def __init__(self):
@@ -148,10 +149,10 @@ def run_steps(system, batches: List[torch.Tensor], warmup: int, steps: int, devi
             t3 = clock.now()
             for name, a, b in (("fwd", t0, t1), ("bwd", t1, t2), ("step", t2, t3)):
                 clock.markers.append((name, i, a, b))
-            (fi, fc, fs, fg), (bi, bc, bs, bg), (si, sc, ss, sg) = host
             out.append(StepTime(i, i >= warmup, t0, t1 - t0, t2 - t1, t3 - t2, t3 - t0,
-                                float(loss.detach().float().item()), fi, bi, si, fc, bc, sc,
-                                fs, bs, ss, fg, bg, sg))
+                                float(loss.detach().float().item()),
+                                **{f"{ph}_{name}": v for ph, h in zip(("fwd", "bwd", "step"), host)
+                                   for name, v in zip(_HostProbe.FIELDS, h)}))
             if after_step is not None:
                 after_step(i)
     finally:
